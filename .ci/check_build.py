@@ -1,0 +1,24 @@
+"""Fail the build check when CUDA kernels were expected but not compiled in.
+
+PAGED_OPS_BUILD_CUDA=auto|1 with a CUDA build of torch and nvcc present means the CUDA kernels
+must be in the extension: every CI run thereby proves the CUDA code compiles and links.
+"""
+
+import os
+import shutil
+import sys
+
+import torch
+
+import paged_ops
+
+mode = os.environ.get("PAGED_OPS_BUILD_CUDA", "auto")
+cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+nvcc = shutil.which("nvcc") or (os.path.join(cuda_home, "bin", "nvcc")
+                                if os.path.exists(os.path.join(cuda_home, "bin", "nvcc")) else None)
+expected = mode != "0" and torch.version.cuda is not None and nvcc is not None
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), nvcc: {nvcc}, "
+      f"PAGED_OPS_BUILD_CUDA={mode}: CUDA kernels expected={expected}, "
+      f"built={paged_ops.built_with_cuda()}, CPU kernel={paged_ops.cpu_kernel_variant()}")
+if expected and not paged_ops.built_with_cuda():
+    sys.exit("CUDA kernels were expected in this build but are missing")

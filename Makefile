@@ -1,0 +1,46 @@
+# Two entry points on a fresh machine: `make demo` and `make test` (each does all the set-up).
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip
+TORCH_SPEC  ?= torch==2.14.1
+HF_SPEC     ?= transformers==4.57.*
+export CUDA_HOME ?= /usr/local/cuda
+export MAX_JOBS ?= 2
+export PAGED_OPS_BUILD_CUDA ?= auto
+# Without a visible GPU build for Hopper only (CI proves the CUDA code compiles and links);
+# with one, setup.py/torch build for the local GPU.
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAVE_GPU),)
+export TORCH_CUDA_ARCH_LIST ?= 9.0
+endif
+
+.PHONY: venv install demo test bench lint clean
+
+$(VENV)/.deps: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel ninja
+	$(PIP) install -q "$(TORCH_SPEC)" numpy pytest hypothesis expecttest "$(HF_SPEC)" matplotlib
+	touch $@
+
+venv: $(VENV)/.deps
+
+install: venv
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	$(PY) -c "import paged_ops, torch; print('paged_ops built; CUDA kernels:', paged_ops.built_with_cuda(), '; CPU kernel:', paged_ops.cpu_kernel_variant(), '; torch', torch.__version__)"
+
+demo: install
+	$(PY) -m paged_ops.demo
+
+test: install
+	$(PY) .ci/check_build.py
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/bench_attention.py
+
+lint: venv
+	$(PIP) install -q ruff
+	$(VENV)/bin/ruff check paged_ops tests benchmarks
+
+clean:
+	rm -rf build *.egg-info paged_ops/*.so

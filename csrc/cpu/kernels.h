@@ -1,0 +1,45 @@
+// Plain-pointer interface between the CPU op wrappers (ops_cpu.cpp, which check and unpack the
+// tensors) and the attention kernel, which is compiled once per CPU capability (DEFAULT inside
+// _C; AVX2 and AVX-512 as separate shared objects, see setup.py). Nothing here includes torch's
+// tensor headers, so a capability variant compiles fast and shares no torch inline code with _C.
+#pragma once
+
+#include <cstdint>
+
+namespace paged::cpu {
+
+enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+
+struct AttentionParams {
+  void* out;  // [num_seqs, num_heads, head_size], last dim contiguous
+  int64_t out_stride_seq, out_stride_head;
+  const void* query;  // [num_seqs, num_heads, head_size], last dim contiguous
+  int64_t q_stride_seq, q_stride_head;
+  const void* key_cache;  // [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const void* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
+  int64_t k_stride_block, v_stride_block;  // dim-0 strides (elements); inner dims are dense
+  const int32_t* block_tables;
+  int64_t bt_stride_seq, bt_stride_col;
+  const int32_t* seq_lens;
+  int64_t sl_stride;
+  const float* alibi_slopes;  // null when absent
+  int64_t alibi_stride;
+  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, x;
+  float scale;
+  float logits_soft_cap;   // <= 0: off
+  int64_t sliding_window;  // <= 0: off
+  DType dtype;
+};
+
+struct KernelTable {
+  int32_t abi_version;  // kKernelAbiVersion; guards against a stale variant library
+  const char* name;     // "default", "avx2", "avx512"
+  void (*attention)(const AttentionParams&);
+};
+
+constexpr int32_t kKernelAbiVersion = 1;
+
+}  // namespace paged::cpu
+
+// Exported by each capability variant library (and by _C for the default one).
+extern "C" const paged::cpu::KernelTable* paged_ops_cpu_kernel_table();

@@ -1,0 +1,123 @@
+"""Documented Python wrappers of the ``torch.ops.paged`` ops (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "allocate_kv_cache",
+    "copy_blocks",
+    "paged_attention",
+    "reshape_and_cache",
+    "swap_blocks",
+]
+
+
+def cache_x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte vector of ``dtype``: the ``x`` of the 5D key-cache layout."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_kv_cache(num_blocks: int, num_kv_heads: int, head_size: int, block_size: int,
+                      dtype: torch.dtype = torch.float16,
+                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate one layer's paged KV cache in the layouts of DESIGN.md §2.
+
+    Returns ``(key_cache, value_cache)`` of shapes
+    ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and
+    ``[num_blocks, num_kv_heads, head_size, block_size]`` with ``x = 16 // element_size``.
+    The memory is uninitialised: slots that were never written are never read by the ops.
+    """
+    x = cache_x(dtype)
+    for name, v in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads),
+                    ("head_size", head_size), ("block_size", block_size)):
+        if not isinstance(v, int) or v < (0 if name == "num_blocks" else 1):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if head_size % x:
+        raise ValueError(f"head_size ({head_size}) must be a multiple of x = {x} for {dtype}")
+    key_cache = torch.empty((num_blocks, num_kv_heads, head_size // x, block_size, x),
+                            dtype=dtype, device=device)
+    value_cache = torch.empty((num_blocks, num_kv_heads, head_size, block_size),
+                              dtype=dtype, device=device)
+    return key_cache, value_cache
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float | None = None, *, alibi_slopes: torch.Tensor | None = None,
+                    sliding_window: int = -1, logits_soft_cap: float = 0.0,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    max_seq_len: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_size]``, last dim contiguous.
+        key_cache, value_cache: the caches (DESIGN.md §2 layouts).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entry ``b`` of row ``s`` is the
+            physical block holding positions ``b * block_size ...`` of sequence ``s``.
+        seq_lens: int32 ``[num_seqs]``: how many cached positions each sequence attends to.
+        scale: logit scale; defaults to ``head_size ** -0.5``.
+        alibi_slopes: optional fp32 ``[num_heads]``: adds ``slope * (p - (L - 1))``.
+        sliding_window: ``> 0`` restricts attention to the last ``sliding_window`` positions.
+        logits_soft_cap: ``> 0`` maps logits through ``cap * tanh(z / cap)``.
+        k_scale, v_scale: fp32 one-element scales of fp8 caches.
+        max_seq_len: optional host-side upper bound on ``seq_lens``.
+        out: optional output tensor (``attention_out``); otherwise a new one is returned.
+
+    Returns:
+        ``[num_seqs, num_heads, head_size]`` in the query's dtype (``out`` when given).
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    args = (query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
+            int(sliding_window), float(logits_soft_cap), k_scale, v_scale, max_seq_len)
+    if out is None:
+        return torch.ops.paged.attention(*args)
+    torch.ops.paged.attention_out(out, *args)
+    return out
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
+    """Write new keys/values ``[num_tokens, num_kv_heads, head_size]`` into their cache slots.
+
+    Token ``i < slot_mapping.size(0)`` goes to slot ``slot_mapping[i]`` (``block * block_size +
+    offset``); a negative slot marks padding and is skipped. Rows of ``key``/``value`` beyond
+    ``slot_mapping.size(0)`` are ignored.
+    """
+    torch.ops.paged.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                      k_scale, v_scale)
+
+
+def _mapping(block_mapping, device) -> torch.Tensor:
+    if isinstance(block_mapping, torch.Tensor):
+        return block_mapping
+    rows = [tuple(r) for r in block_mapping]
+    return torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), 2)
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                block_mapping: torch.Tensor | Sequence[tuple[int, int]]) -> None:
+    """Copy whole blocks ``(src, dst)`` inside every layer's caches (copy-on-write).
+
+    ``block_mapping`` is an int64 ``[n, 2]`` tensor or a list of ``(src, dst)`` pairs. A block
+    should appear at most once as a destination and never as both source and destination.
+    """
+    key_caches, value_caches = list(key_caches), list(value_caches)
+    device = key_caches[0].device if key_caches else "cpu"
+    torch.ops.paged.copy_blocks(key_caches, value_caches, _mapping(block_mapping, device))
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor,
+                block_mapping: torch.Tensor | Sequence[tuple[int, int]]) -> None:
+    """Copy blocks ``(src_block, dst_block)`` from ``src`` to ``dst``, on any devices.
+
+    ``src`` and ``dst`` share one block shape (dims after dim 0); ``block_mapping`` is a CPU
+    int64 ``[n, 2]`` tensor or a list of pairs.
+    """
+    torch.ops.paged.swap_blocks(src, dst, _mapping(block_mapping, "cpu"))

@@ -1,0 +1,103 @@
+"""Reference implementations of the paged ops in plain PyTorch: the executable spec.
+
+Written straight from DESIGN.md §2-§3, as simply as possible (Python loops over sequences and
+tokens, fp32 math), and sharing no code with the kernels. Every function is pure: it returns new
+tensors and leaves its inputs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _x(cache: torch.Tensor) -> int:
+    return 16 // cache.element_size()
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    """Return copies of the caches with token ``i`` written to slot ``slot_mapping[i]``."""
+    key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    block_size = value_cache.shape[3]
+    x = _x(key_cache)
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        b, off = divmod(slot, block_size)
+        for h in range(key.shape[1]):
+            # key_cache[b, h, d // x, off, d % x] = key[i, h, d]
+            key_cache[b, h, :, off, :] = key[i, h].reshape(-1, x)
+            value_cache[b, h, :, off] = value[i, h]
+    return key_cache, value_cache
+
+
+def gather_kv(key_cache, value_cache, block_table, seq_len):
+    """Positions ``0..seq_len-1`` of one sequence as dense ``[seq_len, num_kv_heads, D]`` K, V."""
+    block_size = value_cache.shape[3]
+    ks, vs = [], []
+    for p in range(seq_len):
+        b = int(block_table[p // block_size])
+        off = p % block_size
+        ks.append(key_cache[b, :, :, off, :].reshape(key_cache.shape[1], -1))
+        vs.append(value_cache[b, :, :, off])
+    if not ks:
+        shape = (0, value_cache.shape[1], value_cache.shape[2])
+        return value_cache.new_empty(shape), value_cache.new_empty(shape)
+    return torch.stack(ks), torch.stack(vs)
+
+
+def dense_attention(q, k, v, scale, *, alibi_slopes=None, sliding_window=-1,
+                    logits_soft_cap=0.0):
+    """One query token ``q [H, D]`` over dense ``k, v [L, Hkv, D]`` (the last L positions)."""
+    H, D = q.shape
+    L, Hkv, _ = k.shape
+    out = torch.zeros(H, D, dtype=torch.float32)
+    if L == 0:
+        return out
+    group = H // Hkv
+    pos = torch.arange(L, dtype=torch.float32)
+    for h in range(H):
+        kh = k[:, h // group].float()
+        vh = v[:, h // group].float()
+        z = scale * (kh @ q[h].float())
+        if logits_soft_cap > 0:
+            z = logits_soft_cap * torch.tanh(z / logits_soft_cap)
+        if alibi_slopes is not None:
+            z = z + float(alibi_slopes[h]) * (pos - (L - 1))
+        visible = torch.ones(L, dtype=torch.bool)
+        if sliding_window > 0:
+            visible = pos >= L - sliding_window
+        z = z[visible]
+        out[h] = torch.softmax(z, dim=0) @ vh[visible]
+    return out
+
+
+def attention(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=None,
+              sliding_window=-1, logits_soft_cap=0.0):
+    """Decode attention over the paged cache; result in the query's dtype."""
+    out = torch.empty(query.shape, dtype=torch.float32)
+    for s in range(query.shape[0]):
+        L = int(seq_lens[s])
+        k, v = gather_kv(key_cache.cpu(), value_cache.cpu(), block_tables[s].cpu(), L)
+        out[s] = dense_attention(query[s].cpu(), k, v, scale, alibi_slopes=alibi_slopes,
+                                 sliding_window=sliding_window,
+                                 logits_soft_cap=logits_soft_cap)
+    return out.to(dtype=query.dtype, device=query.device)
+
+
+def copy_blocks(key_caches, value_caches, block_mapping):
+    """Return copies of every layer's caches with block ``dst`` := block ``src``."""
+    key_caches = [k.clone() for k in key_caches]
+    value_caches = [v.clone() for v in value_caches]
+    for src, dst in block_mapping.tolist():
+        for kc, vc in zip(key_caches, value_caches):
+            kc[dst] = kc[src]
+            vc[dst] = vc[src]
+    return key_caches, value_caches
+
+
+def swap_blocks(src, dst, block_mapping):
+    """Return a copy of ``dst`` with block ``d`` := ``src`` block ``s`` for each row (s, d)."""
+    dst = dst.clone()
+    for s, d in block_mapping.tolist():
+        dst[d] = src[s].to(dst.device)
+    return dst

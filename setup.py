@@ -1,0 +1,108 @@
+"""Build of paged_ops: one extension ``paged_ops._C`` (schemas, CPU kernels, CUDA kernels when
+enabled) plus CPU-capability variants of the hot CPU kernels (``_cpu_avx2``, ``_cpu_avx512``).
+
+Switches (environment):
+  PAGED_OPS_BUILD_CUDA=auto|0|1   auto: CUDA kernels when torch is a CUDA build and nvcc exists.
+  TORCH_CUDA_ARCH_LIST            GPU architectures; without a visible GPU we default to 8.0;9.0.
+  MAX_JOBS                        parallel compile jobs (ninja).
+"""
+
+import glob
+import os
+import platform
+
+import torch
+from setuptools import setup
+from torch.utils import cpp_extension as ce
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CXX_STD = "-std=c++20"  # torch >= 2.14 headers need C++20
+
+
+def _want_cuda() -> bool:
+    mode = os.environ.get("PAGED_OPS_BUILD_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"PAGED_OPS_BUILD_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        return False
+    has_cuda_torch = torch.version.cuda is not None
+    has_nvcc = ce.CUDA_HOME is not None and os.path.exists(
+        os.path.join(ce.CUDA_HOME, "bin", "nvcc")
+    )
+    if mode == "1":
+        if not (has_cuda_torch and has_nvcc):
+            raise SystemExit(
+                "PAGED_OPS_BUILD_CUDA=1 but "
+                + ("torch is not a CUDA build" if not has_cuda_torch else "nvcc was not found")
+                + " (set CUDA_HOME)"
+            )
+        return True
+    return has_cuda_torch and has_nvcc
+
+
+def _rel(paths):
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def extensions():
+    with_cuda = _want_cuda()
+    cxx = [CXX_STD, "-O3", "-fvisibility=hidden"]
+    # The CPU kernels of _C are the portable (DEFAULT) variant; see csrc/cpu/kernels_variant.h.
+    define = [("CPU_CAPABILITY", "DEFAULT"), ("CPU_CAPABILITY_DEFAULT", None)]
+    sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))
+    sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    sources = [s for s in sources if not os.path.basename(s).startswith("variant_")]
+    exts = []
+    if with_cuda:
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        cu_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+        cu_sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+        nvcc = [CXX_STD, "-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+        exts.append(
+            ce.CUDAExtension(
+                "paged_ops._C",
+                sources + cu_sources,
+                define_macros=define + [("PAGED_OPS_WITH_CUDA", "1")],
+                extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                include_dirs=[os.path.join(ROOT, "csrc")],
+            )
+        )
+    else:
+        exts.append(
+            ce.CppExtension(
+                "paged_ops._C",
+                sources,
+                define_macros=define,
+                extra_compile_args={"cxx": cxx},
+                include_dirs=[os.path.join(ROOT, "csrc")],
+            )
+        )
+    # Capability variants: separate shared objects, so that no AVX-512 code (including inline
+    # functions from torch headers instantiated under those flags) can leak into code that runs
+    # on a CPU without it. paged_ops/__init__.py loads the best one ATen says the CPU supports.
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        variants = {
+            "avx2": ["-mavx2", "-mfma", "-mf16c"],
+            "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+        }
+        for name, flags in variants.items():
+            exts.append(
+                ce.CppExtension(
+                    f"paged_ops._cpu_{name}",
+                    [f"csrc/cpu/variant_{name}.cpp"],
+                    define_macros=[
+                        ("CPU_CAPABILITY", name.upper()),
+                        (f"CPU_CAPABILITY_{name.upper()}", None),
+                    ],
+                    extra_compile_args={"cxx": cxx + flags},
+                    include_dirs=[os.path.join(ROOT, "csrc")],
+                )
+            )
+    return exts
+
+
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_ext": ce.BuildExtension.with_options(use_ninja=True)},
+)
