@@ -28,6 +28,8 @@ __all__ = [
     "built_with_cuda",
     "copy_blocks",
     "cpu_kernel_variant",
+    "set_cpu_kernel_variant",
+    "supported_cpu_kernel_variants",
     "paged_attention",
     "reshape_and_cache",
     "swap_blocks",
@@ -50,27 +52,44 @@ def cpu_kernel_variant() -> str:
     return _C_LIB.paged_ops_cpu_kernel_name().decode()
 
 
-def _select_cpu_kernels() -> None:
-    # ATen's own CPU capability detection (it honours ATEN_CPU_CAPABILITY), optionally capped
-    # by PAGED_OPS_CPU_CAPABILITY=default|avx2|avx512.
+def supported_cpu_kernel_variants() -> list[str]:
+    """CPU kernel variants this CPU can run (per ATen's capability detection, which honours
+    ``ATEN_CPU_CAPABILITY``) and that were built, best first; ``"default"`` is always last."""
     cap = torch.backends.cpu.get_cpu_capability().upper()
     order = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, [])
+    built = [n for n in order if glob.glob(os.path.join(_HERE, f"_cpu_{n}*.so"))]
+    return built + ["default"]
+
+
+def set_cpu_kernel_variant(name: str) -> None:
+    """Switch the CPU attention kernel to ``name`` (one of :func:`supported_cpu_kernel_variants`).
+
+    Meant for tests and benchmarks; at import the best supported variant is chosen (capped by
+    the environment variable ``PAGED_OPS_CPU_CAPABILITY=default|avx2|avx512`` when set).
+    """
+    if name not in supported_cpu_kernel_variants():
+        raise ValueError(f"CPU kernel variant {name!r} is not available here; "
+                         f"supported: {supported_cpu_kernel_variants()}")
+    if name == "default":
+        _C_LIB.paged_ops_set_cpu_kernel_table(None)
+        return
+    path = glob.glob(os.path.join(_HERE, f"_cpu_{name}*.so"))[0]
+    lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
+    if _C_LIB.paged_ops_set_cpu_kernel_table(lib.paged_ops_cpu_kernel_table()) != 0:
+        raise RuntimeError(f"{path} is from an incompatible build; rebuild paged_ops")
+    _variant_libs.append(lib)
+
+
+def _select_cpu_kernels() -> None:
+    variants = supported_cpu_kernel_variants()
     cap_env = os.environ.get("PAGED_OPS_CPU_CAPABILITY", "").strip().lower()
     if cap_env:
         if cap_env not in ("default", "avx2", "avx512"):
             raise ValueError(
-                f"PAGED_OPS_CPU_CAPABILITY must be default, avx2 or avx512, got {cap_env!r}"
-            )
-        order = order[order.index(cap_env):] if cap_env in order else []
-    for name in order:
-        paths = glob.glob(os.path.join(_HERE, f"_cpu_{name}*.so"))
-        if not paths:
-            continue
-        lib = ctypes.CDLL(paths[0], mode=os.RTLD_NOW | os.RTLD_LOCAL)
-        lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
-        if _C_LIB.paged_ops_set_cpu_kernel_table(lib.paged_ops_cpu_kernel_table()) == 0:
-            _variant_libs.append(lib)
-            return
+                f"PAGED_OPS_CPU_CAPABILITY must be default, avx2 or avx512, got {cap_env!r}")
+        variants = variants[variants.index(cap_env):] if cap_env in variants else ["default"]
+    set_cpu_kernel_variant(variants[0])
 
 
 _select_cpu_kernels()

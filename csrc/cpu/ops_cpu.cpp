@@ -213,10 +213,11 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
 }  // namespace paged::cpu
 
 // Switch the attention kernel to a capability variant (called once from paged_ops/__init__.py
-// through ctypes). Returns 0 on success, -1 if the table is from an incompatible build.
+// through ctypes); null restores the built-in default kernel. Returns 0 on success, -1 if the
+// table is from an incompatible build.
 extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_kernel_table(
     const paged::cpu::KernelTable* table) {
-  if (table == nullptr || table->abi_version != paged::cpu::kKernelAbiVersion) return -1;
+  if (table != nullptr && table->abi_version != paged::cpu::kKernelAbiVersion) return -1;
   paged::cpu::g_kernels.store(table, std::memory_order_release);
   return 0;
 }

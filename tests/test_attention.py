@@ -1,0 +1,179 @@
+"""paged::attention and paged::attention_out (CPU) against the reference implementation."""
+
+import pytest
+import torch
+from helpers import TOL, make_paged, random_query
+
+import paged_ops
+from paged_ops import reference as ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=paged_ops.supported_cpu_kernel_variants(), autouse=True)
+def cpu_variant(request):
+    """Run every test on each CPU kernel build this CPU supports (e.g. avx2 and default)."""
+    before = paged_ops.cpu_kernel_variant()
+    paged_ops.set_cpu_kernel_variant(request.param)
+    yield request.param
+    paged_ops.set_cpu_kernel_variant(before)
+
+
+def check(pg, q, dtype, **kw):
+    scale = kw.pop("scale", q.shape[-1] ** -0.5)
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale, **kw)
+    want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, scale,
+                         kw.get("alibi_slopes"), kw.get("sliding_window", -1),
+                         kw.get("logits_soft_cap", 0.0))
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert not out.isnan().any(), "NaN from unwritten slots leaked into the output"
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_grid(dtype, head_size, block_size):
+    bs = block_size
+    lens = sorted({1, max(bs - 1, 1), bs, bs + 1, 37})
+    pg = make_paged(lens, 2, head_size, bs, dtype)
+    q = random_query(len(lens), 8, head_size, dtype)
+    check(pg, q, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (16, 2), (8, 1), (32, 1)])
+def test_gqa_mqa(dtype, heads):
+    num_heads, num_kv_heads = heads
+    lens = [3, 16, 50]
+    pg = make_paged(lens, num_kv_heads, 64, 16, dtype, seed=3)
+    q = random_query(len(lens), num_heads, 64, dtype, scale=2.0)  # peaked softmax
+    check(pg, q, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_context(dtype):
+    lens = [1500, 2049, 17]
+    pg = make_paged(lens, 2, 128, 16, dtype, seed=5)
+    q = random_query(len(lens), 8, 128, dtype, scale=3.0)
+    check(pg, q, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_length_rows_are_zero(dtype):
+    lens = [0, 5, 0, 17]
+    pg = make_paged(lens, 2, 64, 16, dtype)
+    q = random_query(len(lens), 4, 64, dtype)
+    out = check(pg, q, dtype)
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+
+
+def test_all_zero_length_and_empty_batch():
+    pg = make_paged([0, 0], 2, 64, 16, torch.float32)
+    q = random_query(2, 4, 64, torch.float32)
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens)
+    assert (out == 0).all()
+    empty = paged_ops.paged_attention(q[:0], pg.key_cache, pg.value_cache, pg.block_tables[:0],
+                                      pg.seq_lens[:0])
+    assert empty.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 7, 16, 33, 4000])
+def test_sliding_window(dtype, window):
+    lens = [1, 15, 40, 100]
+    pg = make_paged(lens, 2, 64, 16, dtype, seed=7)
+    q = random_query(len(lens), 4, 64, dtype, scale=2.0)
+    check(pg, q, dtype, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alibi_softcap_window_together(dtype):
+    lens = [9, 31, 64, 65]
+    pg = make_paged(lens, 2, 80, 8, dtype, seed=11)
+    q = random_query(len(lens), 8, 80, dtype, scale=4.0)
+    slopes = torch.tensor([2.0 ** (-(i + 1)) for i in range(8)])
+    check(pg, q, dtype, alibi_slopes=slopes)
+    check(pg, q, dtype, logits_soft_cap=5.0)
+    check(pg, q, dtype, alibi_slopes=slopes, logits_soft_cap=5.0, sliding_window=20)
+    check(pg, q, dtype, scale=0.3, max_seq_len=65)
+
+
+def test_soft_cap_actually_caps():
+    # Huge logits: without the cap the softmax is one-hot, with it it is not.
+    pg = make_paged([20], 1, 64, 16, torch.float32, seed=2, kv_scale=30.0)
+    q = random_query(1, 1, 64, torch.float32, scale=30.0)
+    a = check(pg, q, torch.float32)
+    b = check(pg, q, torch.float32, logits_soft_cap=1.0)
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_strided_query_and_out():
+    # query as a slice of a fused qkv projection; out as a strided view (attention_out).
+    dtype = torch.float32
+    lens = [5, 33, 16]
+    pg = make_paged(lens, 2, 64, 16, dtype)
+    qkv = torch.randn(len(lens), 8 + 2 + 2, 64)
+    q = qkv[:, :8]
+    assert not q.is_contiguous()
+    want = check(pg, q, dtype)
+    big = torch.full((len(lens), 16, 64), 7.0)
+    out = big[:, ::2]
+    res = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, out=out)
+    assert res is out
+    torch.testing.assert_close(out, want)
+    assert (big[:, 1::2] == 7.0).all(), "attention_out wrote outside its out view"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_layer_view_of_a_pool(dtype):
+    lens = [7, 40, 16]
+    pg = make_paged(lens, 2, 64, 16, dtype, pool_layers=3, layer=1)
+    assert not pg.key_cache.is_contiguous()
+    q = random_query(len(lens), 4, 64, dtype)
+    check(pg, q, dtype)
+
+
+def test_kv_half_of_a_joint_pool():
+    # [2, num_blocks, ...] K/V pool split in halves, each half a cache.
+    lens = [10, 20]
+    pg = make_paged(lens, 2, 64, 16, torch.float32)
+    nb = pg.key_cache.shape[0]
+    pool = torch.full((2, nb, 2, 64 * 16), float("nan"))
+    kc = pool[0].view(nb, 2, 16, 16, 4)
+    vc = pool[1].view(nb, 2, 64, 16)
+    kc.copy_(pg.key_cache)
+    vc.copy_(pg.value_cache)
+    q = random_query(2, 4, 64, torch.float32)
+    out = paged_ops.paged_attention(q, kc, vc, pg.block_tables, pg.seq_lens)
+    want = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                     pg.seq_lens)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_matches_dense_sdpa_of_the_written_tokens():
+    # Independent of the reference: dense SDPA over the K/V exactly as written.
+    lens = [1, 17, 64, 129]
+    pg = make_paged(lens, 2, 128, 16, torch.float32, seed=9)
+    q = random_query(len(lens), 8, 128, torch.float32, scale=2.0)
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens)
+    for s in range(len(lens)):
+        k = pg.keys[s].repeat_interleave(4, dim=1).transpose(0, 1)
+        v = pg.values[s].repeat_interleave(4, dim=1).transpose(0, 1)
+        want = torch.nn.functional.scaled_dot_product_attention(q[s].unsqueeze(1), k, v)
+        torch.testing.assert_close(out[s], want.squeeze(1), atol=2e-5, rtol=1e-4)
+
+
+def test_deterministic_and_input_unchanged():
+    pg = make_paged([50, 3], 2, 64, 16, torch.bfloat16)
+    q = random_query(2, 4, 64, torch.bfloat16)
+    kc, vc = pg.key_cache.clone(), pg.value_cache.clone()
+    a = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens)
+    b = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(pg.key_cache, kc, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(pg.value_cache, vc, equal_nan=True, atol=0, rtol=0)

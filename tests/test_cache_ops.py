@@ -1,0 +1,136 @@
+"""reshape_and_cache, copy_blocks and swap_blocks (CPU) against the reference."""
+
+import pytest
+import torch
+from helpers import cache_x
+
+import paged_ops
+from paged_ops import reference as ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def nan_caches(num_blocks, num_kv_heads, head_size, block_size, dtype):
+    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype)
+    return kc.fill_(float("nan")), vc.fill_(float("nan"))
+
+
+def assert_same(a, b):
+    torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_reshape_and_cache_grid(dtype, head_size, block_size):
+    g = torch.Generator().manual_seed(head_size + block_size)
+    num_blocks, H = 12, 2
+    n = 19
+    kc, vc = nan_caches(num_blocks, H, head_size, block_size, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots[3] = -1  # padding token
+    k = torch.randn(n, H, head_size, generator=g).to(dtype)
+    v = torch.randn(n, H, head_size, generator=g).to(dtype)
+    want_k, want_v = ref.reshape_and_cache(k, v, kc, vc, slots)
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
+    assert_same(kc, want_k)
+    assert_same(vc, want_v)
+
+
+def test_reshape_layout_by_hand():
+    # Token 0 of head 1 into slot 5 of a block_size-4 cache: block 1, offset 1.
+    kc, vc = nan_caches(3, 2, 8, 4, torch.float32)
+    k = torch.arange(2 * 8, dtype=torch.float32).reshape(1, 2, 8)
+    v = -k
+    paged_ops.reshape_and_cache(k, v, kc, vc, torch.tensor([5]))
+    x = cache_x(torch.float32)
+    for d in range(8):
+        assert kc[1, 1, d // x, 1, d % x] == k[0, 1, d]
+        assert vc[1, 1, d, 1] == v[0, 1, d]
+    assert torch.isnan(kc[0]).all() and torch.isnan(kc[2]).all()
+    assert torch.isnan(kc[1, :, :, [0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_strided_fused_qkv_and_graph_padding(dtype):
+    # key/value are slices of a fused qkv tensor, with extra padding rows beyond slot_mapping.
+    H, D, bs = 2, 64, 16
+    qkv = torch.randn(10, 8 + 2 * H, D).to(dtype)
+    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]
+    assert not k.is_contiguous()
+    slots = torch.tensor([17, 3, -1, 40, 0, 63])  # 6 of the 10 rows are written
+    kc, vc = nan_caches(4, H, D, bs, dtype)
+    want_k, want_v = ref.reshape_and_cache(k[:6], v[:6], kc, vc, slots)
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
+    assert_same(kc, want_k)
+    assert_same(vc, want_v)
+
+
+def test_reshape_into_layer_view_of_pool():
+    H, D, bs, nb, layers = 2, 64, 8, 6, 3
+    kpool = torch.full((layers, nb, H, D // 4, bs, 4), float("nan"))
+    vpool = torch.full((nb, layers, H, D, bs), float("nan"))  # block-major: strided dim 0
+    kc, vc = kpool[2], vpool[:, 1]
+    k, v = torch.randn(5, H, D), torch.randn(5, H, D)
+    slots = torch.tensor([0, 9, 47, 20, 33])
+    want_k, want_v = ref.reshape_and_cache(k, v, kc, vc, slots)
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
+    assert_same(kc, want_k)
+    assert_same(vc, want_v)
+    assert torch.isnan(kpool[:2]).all() and torch.isnan(vpool[:, [0, 2]]).all()
+
+
+def test_reshape_zero_tokens_is_noop():
+    kc, vc = nan_caches(2, 1, 8, 4, torch.float32)
+    paged_ops.reshape_and_cache(torch.randn(3, 1, 8), torch.randn(3, 1, 8), kc, vc,
+                                torch.empty(0, dtype=torch.int64))
+    assert torch.isnan(kc).all() and torch.isnan(vc).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_all_layers(dtype):
+    layers, nb = 3, 10
+    kcs, vcs = [], []
+    for _ in range(layers):
+        kc, vc = paged_ops.allocate_kv_cache(nb, 2, 32, 8, dtype)
+        kcs.append(kc.copy_(torch.randn(kc.shape)))
+        vcs.append(vc.copy_(torch.randn(vc.shape)))
+    mapping = torch.tensor([[0, 5], [3, 7], [9, 1]])
+    want_k, want_v = ref.copy_blocks(kcs, vcs, mapping)
+    paged_ops.copy_blocks(kcs, vcs, mapping)
+    for a, b in zip(kcs + vcs, want_k + want_v):
+        assert_same(a, b)
+    paged_ops.copy_blocks(kcs, vcs, [(5, 2)])  # list-of-pairs form
+    assert torch.equal(kcs[1][2], kcs[1][0])
+
+
+def test_copy_blocks_empty_mapping_and_no_layers():
+    kc, vc = paged_ops.allocate_kv_cache(4, 1, 8, 4, torch.float32)
+    kc.zero_()
+    paged_ops.copy_blocks([kc], [vc], torch.empty(0, 2, dtype=torch.int64))
+    paged_ops.copy_blocks([], [], torch.tensor([[0, 1]]))
+    assert (kc == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float8_e4m3fn])
+def test_swap_blocks_round_trip(dtype):
+    src_k, _ = paged_ops.allocate_kv_cache(8, 2, 32, 16, dtype)
+    src_k.copy_(torch.randn(src_k.shape).to(dtype))
+    dst_k = torch.zeros((4,) + src_k.shape[1:], dtype=dtype)
+    out_map = torch.tensor([[6, 0], [2, 3], [5, 1]])
+    want = ref.swap_blocks(src_k, dst_k, out_map)
+    paged_ops.swap_blocks(src_k, dst_k, out_map)
+    assert torch.equal(dst_k.view(torch.uint8), want.view(torch.uint8))
+    back = torch.zeros_like(src_k)
+    paged_ops.swap_blocks(dst_k, back, [(0, 6), (3, 2), (1, 5)])
+    for b in (6, 2, 5):
+        assert torch.equal(back[b].view(torch.uint8), src_k[b].view(torch.uint8))
+    assert (back[[0, 1, 3, 4, 7]].float() == 0).all()
+
+
+def test_swap_blocks_strided_layer_views():
+    pool = torch.randn(6, 2, 4, 8)  # [blocks, layers, ...]
+    dst_pool = torch.zeros(3, 2, 4, 8)
+    paged_ops.swap_blocks(pool[:, 1], dst_pool[:, 0], torch.tensor([[4, 2]]))
+    assert torch.equal(dst_pool[2, 0], pool[4, 1])
+    assert (dst_pool[:, 1] == 0).all() and (dst_pool[:2] == 0).all()
