@@ -159,12 +159,16 @@ class BlockManager:
       ``KeyError`` or ``ValueError`` leaves the manager exactly as it was.
     * Prefix caching (``enable_prefix_caching=True``): a full block whose token ids are known
       gets the key ``(hash of parent block key, its token ids)``, so equal text after a
-      different prefix never matches. Blocks are registered as soon as they are full
-      (:meth:`allocate`, :meth:`append_slots` with ``token_ids``); the caller must write their
-      KV in the same forward pass, before any later pass reads them. When a registered block's
-      ref count drops to 0 it is kept (evictable, LRU) instead of freed, and a later sequence
-      with the same prefix chain takes it back (ref 0 -> 1). Allocation takes truly free blocks
-      first and evicts the least recently released cached block only when none is left.
+      different prefix never matches. Only full blocks are shared this way. Blocks are
+      registered as soon as they are full (:meth:`allocate`, :meth:`append_slots` with
+      ``token_ids``), so the caller must write the KV of the slots it reserved in the very next
+      forward pass (a hit in the same batch is fine: ``reshape_and_cache`` runs before
+      attention). When a registered block's ref count drops to 0 it is kept (evictable, LRU)
+      instead of freed, and a later sequence with the same prefix chain takes it back
+      (ref 0 -> 1). Allocation takes truly free blocks first and evicts the least recently
+      released cached block only when none is left. :meth:`allocate` returns how many leading
+      tokens are cached: a multiple of ``block_size``, at most ``num_tokens - 1`` (the block
+      holding the last prompt token is always private and recomputed, so its logits exist).
     * Swap: :meth:`swap_out` / :meth:`swap_in` move a sequence between the GPU pool and a CPU
       pool of ``num_cpu_blocks`` blocks and return the ``(src, dst)`` pairs for
       ``paged_ops.swap_blocks``. A block shared by several sequences is copied once (see
@@ -526,6 +530,8 @@ class BlockManager:
 
     def can_append_slots(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether :meth:`append_slots` of ``num_tokens`` positions would succeed now."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         need, _ = self._append_need(self._resident(seq_id), num_tokens)
         return need <= self.num_free_blocks
 
