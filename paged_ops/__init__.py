@@ -15,6 +15,7 @@ import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.paged.*)
 from . import _fake  # noqa: F401  (fake impls for torch.compile)
+from .block_manager import BlockManager, BlockManagerStats, OutOfBlocks
 from ._api import (
     allocate_kv_cache,
     copy_blocks,
@@ -24,6 +25,9 @@ from ._api import (
 )
 
 __all__ = [
+    "BlockManager",
+    "BlockManagerStats",
+    "OutOfBlocks",
     "allocate_kv_cache",
     "built_with_cuda",
     "copy_blocks",
