@@ -4,6 +4,7 @@ PAGED_OPS_BUILD_CUDA=auto|1 with a CUDA build of torch and nvcc present means th
 must be in the extension: every CI run thereby proves the CUDA code compiles and links.
 """
 
+import glob
 import os
 import shutil
 import sys
@@ -16,7 +17,10 @@ mode = os.environ.get("PAGED_OPS_BUILD_CUDA", "auto")
 cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 nvcc = shutil.which("nvcc") or (os.path.join(cuda_home, "bin", "nvcc")
                                 if os.path.exists(os.path.join(cuda_home, "bin", "nvcc")) else None)
-expected = mode != "0" and torch.version.cuda is not None and nvcc is not None
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+has_cuda_sources = bool(glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")))
+expected = (mode != "0" and torch.version.cuda is not None and nvcc is not None
+            and has_cuda_sources)
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), nvcc: {nvcc}, "
       f"PAGED_OPS_BUILD_CUDA={mode}: CUDA kernels expected={expected}, "
       f"built={paged_ops.built_with_cuda()}, CPU kernel={paged_ops.cpu_kernel_variant()}")
