@@ -51,9 +51,14 @@ void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
               " must be contiguous in its last dim (head_size); got strides ", t.strides());
 }
 
-void check_fp8_supported(c10::ScalarType cache_dtype) {
-  TORCH_CHECK(!is_fp8(cache_dtype), "fp8 KV caches (", cache_dtype,
-              ") are not supported yet: use a float32, float16 or bfloat16 cache");
+// fp8 caches store x / scale: both per-tensor scales are required to write or read them.
+void check_fp8_scales(c10::ScalarType cache_dtype, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
+  if (!is_fp8(cache_dtype)) return;
+  TORCH_CHECK(k_scale.has_value(), "k_scale is required for an fp8 (", cache_dtype,
+              ") cache: pass a float32 one-element tensor");
+  TORCH_CHECK(v_scale.has_value(), "v_scale is required for an fp8 (", cache_dtype,
+              ") cache: pass a float32 one-element tensor");
 }
 
 }  // namespace
@@ -117,7 +122,8 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
                               int64_t sliding_window, double logits_soft_cap,
                               const std::optional<at::Tensor>& k_scale,
                               const std::optional<at::Tensor>& v_scale,
-                              std::optional<int64_t> max_seq_len) {
+                              std::optional<int64_t> max_seq_len,
+                              const std::optional<at::Tensor>& query_start_loc) {
   (void)sliding_window;  // any value is valid: <= 0 means no window
   TORCH_CHECK(query.dim() == 3, "query must have 3 dims [num_seqs, num_heads, head_size], got ",
               query.dim(), " dims with sizes ", query.sizes());
@@ -126,12 +132,23 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
   check_last_dim_contiguous(query, "query");
   AttentionDims d;
   d.cache = check_kv_cache_pair(key_cache, value_cache);
+  d.num_tokens = query.size(0);
   d.num_seqs = query.size(0);
   d.num_heads = query.size(1);
+  d.multi_token = query_start_loc.has_value();
+  if (d.multi_token) {
+    TORCH_CHECK(query_start_loc->scalar_type() == at::kInt, "query_start_loc must be int32, got ",
+                query_start_loc->scalar_type());
+    TORCH_CHECK(query_start_loc->dim() == 1 && query_start_loc->size(0) >= 1,
+                "query_start_loc must have shape [num_seqs + 1], got ", query_start_loc->sizes());
+    check_same_device(*query_start_loc, query, "query_start_loc", "query");
+    d.num_seqs = query_start_loc->size(0) - 1;
+  }
   check_same_device(key_cache, query, "key_cache", "query");
-  check_fp8_supported(key_cache.scalar_type());
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "key_cache dtype (",
-              key_cache.scalar_type(), ") must equal query dtype (", query.scalar_type(), ")");
+  check_fp8_scales(key_cache.scalar_type(), k_scale, v_scale);
+  TORCH_CHECK(is_fp8(key_cache.scalar_type()) || key_cache.scalar_type() == query.scalar_type(),
+              "key_cache dtype (", key_cache.scalar_type(), ") must equal query dtype (",
+              query.scalar_type(), ") unless the cache is fp8");
   TORCH_CHECK(query.size(2) == d.cache.head_size, "query.size(2) (head_size) = ", query.size(2),
               " must equal the caches' head_size = ", d.cache.head_size,
               " (key_cache.size(2) * key_cache.size(4))");
@@ -145,7 +162,8 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
               "block_tables must have 2 dims [num_seqs, max_blocks_per_seq], got sizes ",
               block_tables.sizes());
   TORCH_CHECK(block_tables.size(0) == d.num_seqs, "block_tables.size(0) = ",
-              block_tables.size(0), " must equal query.size(0) (num_seqs) = ", d.num_seqs);
+              block_tables.size(0), " must equal num_seqs = ", d.num_seqs,
+              d.multi_token ? " (query_start_loc.size(0) - 1)" : " (query.size(0))");
   check_same_device(block_tables, query, "block_tables", "query");
   d.max_blocks_per_seq = block_tables.size(1);
 
@@ -180,6 +198,11 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
     check_last_dim_contiguous(*out, "out");
   }
   if (backend == Backend::CUDA) {
+    TORCH_CHECK(!is_fp8(key_cache.scalar_type()), "fp8 KV caches (", key_cache.scalar_type(),
+                ") are not supported by the CUDA attention kernel yet");
+    TORCH_CHECK(!d.multi_token,
+                "query_start_loc (several query tokens per sequence) is not supported by the "
+                "CUDA attention kernel yet");
     const auto& hs = cuda_head_sizes();
     const auto& bs = cuda_block_sizes();
     TORCH_CHECK(std::find(hs.begin(), hs.end(), d.cache.head_size) != hs.end(), "head_size ",
@@ -193,10 +216,25 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
 }
 
 void check_attention_indices_cpu(const AttentionDims& d, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len) {
+                                 const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len,
+                                 const std::optional<at::Tensor>& query_start_loc) {
   const auto bt = block_tables.accessor<int32_t, 2>();
   const auto sl = seq_lens.accessor<int32_t, 1>();
   const int64_t capacity = d.max_blocks_per_seq * d.cache.block_size;
+  if (query_start_loc.has_value()) {
+    const auto qsl = query_start_loc->accessor<int32_t, 1>();
+    TORCH_CHECK(qsl[0] == 0, "query_start_loc[0] must be 0, got ", qsl[0]);
+    TORCH_CHECK(qsl[d.num_seqs] == d.num_tokens, "query_start_loc[-1] = ", qsl[d.num_seqs],
+                " must equal the number of query rows (query.size(0) = ", d.num_tokens, ")");
+    for (int64_t s = 0; s < d.num_seqs; ++s) {
+      const int64_t q_len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
+      TORCH_CHECK(q_len >= 0, "query_start_loc must not decrease: query_start_loc[", s + 1,
+                  "] = ", qsl[s + 1], " < query_start_loc[", s, "] = ", qsl[s]);
+      TORCH_CHECK(q_len <= sl[s], "sequence ", s, " has ", q_len,
+                  " query tokens (query_start_loc) but seq_lens[", s, "] = ", sl[s],
+                  ": the query tokens are the last positions of the sequence");
+    }
+  }
   for (int64_t s = 0; s < d.num_seqs; ++s) {
     const int64_t len = sl[s];
     TORCH_CHECK(len >= 0, "seq_lens[", s, "] = ", len, " must be >= 0");
@@ -220,7 +258,7 @@ CacheWriteDims check_reshape_and_cache(Backend backend, const at::Tensor& key,
                                        const at::Tensor& slot_mapping,
                                        const std::optional<at::Tensor>& k_scale,
                                        const std::optional<at::Tensor>& v_scale) {
-  (void)backend;  // both backends accept every head size and block size for the cache write
+  // Both backends accept every head size and block size for the cache write.
   TORCH_CHECK(key.dim() == 3, "key must have 3 dims [num_tokens, num_kv_heads, head_size], got ",
               key.dim(), " dims with sizes ", key.sizes());
   TORCH_CHECK(value.dim() == 3,
@@ -234,9 +272,12 @@ CacheWriteDims check_reshape_and_cache(Backend backend, const at::Tensor& key,
   check_last_dim_contiguous(value, "value");
   CacheWriteDims d;
   d.cache = check_kv_cache_pair(key_cache, value_cache);
-  check_fp8_supported(key_cache.scalar_type());
-  TORCH_CHECK(key_cache.scalar_type() == key.scalar_type(), "key_cache dtype (",
-              key_cache.scalar_type(), ") must equal key dtype (", key.scalar_type(), ")");
+  check_fp8_scales(key_cache.scalar_type(), k_scale, v_scale);
+  TORCH_CHECK(backend == Backend::CPU || !is_fp8(key_cache.scalar_type()), "fp8 KV caches (",
+              key_cache.scalar_type(), ") are not supported by the CUDA cache write yet");
+  TORCH_CHECK(is_fp8(key_cache.scalar_type()) || key_cache.scalar_type() == key.scalar_type(),
+              "key_cache dtype (", key_cache.scalar_type(), ") must equal key dtype (",
+              key.scalar_type(), ") unless the cache is fp8");
   check_same_device(value, key, "value", "key");
   check_same_device(key_cache, key, "key_cache", "key");
   check_same_device(slot_mapping, key, "slot_mapping", "key");

@@ -42,9 +42,11 @@ CacheDims check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& val
 
 struct AttentionDims {
   CacheDims cache;
-  int64_t num_seqs;
+  int64_t num_seqs;            // sequences (query_start_loc.size(0) - 1 when given)
+  int64_t num_tokens;          // query rows: num_seqs for decode
   int64_t num_heads;
   int64_t max_blocks_per_seq;
+  bool multi_token;            // query_start_loc given
 };
 
 // All metadata checks of paged::attention / attention_out (`out` may be null).
@@ -55,12 +57,16 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
                               int64_t sliding_window, double logits_soft_cap,
                               const std::optional<at::Tensor>& k_scale,
                               const std::optional<at::Tensor>& v_scale,
-                              std::optional<int64_t> max_seq_len);
+                              std::optional<int64_t> max_seq_len,
+                              const std::optional<at::Tensor>& query_start_loc = std::nullopt);
 
 // CPU only (reads the index tensors): 0 <= seq_lens[s] <= max_seq_len (when given) and
-// <= max_blocks_per_seq * block_size, and every block id the sequence uses is in range.
+// <= max_blocks_per_seq * block_size, every block id the sequence uses is in range, and
+// query_start_loc (when given) starts at 0, never decreases, ends at the number of query rows,
+// and gives no sequence more query tokens than its seq_len.
 void check_attention_indices_cpu(const AttentionDims& dims, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len);
+                                 const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len,
+                                 const std::optional<at::Tensor>& query_start_loc = std::nullopt);
 
 struct CacheWriteDims {
   CacheDims cache;
