@@ -1,0 +1,146 @@
+// Plain-pointer interface between the CUDA op wrappers (ops_cuda.cpp: checks, device guard,
+// stream, allocations) and the kernels (*.cu). Plain C++ with no device code: g++ compiles it in
+// ops_cuda.cpp. No torch header here: the .cu files include only the CUDA headers and this,
+// which keeps nvcc compile times low.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace paged::gpu {
+
+enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kAttnWarps = 4;                     // warps per CTA of the decode kernel
+constexpr int kAttnThreads = kAttnWarps * 32;
+constexpr int kTileTokens = 32;                   // tokens per warp step (one per lane in q.k)
+constexpr int kPartitionUnit = kAttnWarps * kTileTokens;  // split-K partitions are multiples
+constexpr int kMaxPartitions = 512;               // bound of the reduce kernel's weight buffer
+constexpr int kReduceThreads = 128;
+constexpr int kMaxGroupTile = 8;
+
+// Largest group tile (query heads of one GQA group handled together by one CTA) the decode
+// kernel is instantiated with for (element size, head size, block size). Bounds the per-lane
+// fp32 output accumulators (gt * D * vectors_per_value_row / 32 <= 64 registers) and the CTA
+// merge buffer (kAttnWarps * gt * D floats <= 16 KB).
+constexpr int max_group_tile(int elem_size, int head_size, int block_size) {
+  const int vpr = block_size * elem_size / 16;  // 16-byte vectors per value row of a block
+  int gt = kMaxGroupTile;
+  while (gt > 1 && (gt * head_size * vpr > 2048 || gt * head_size > 1024)) gt /= 2;
+  return gt;
+}
+
+struct AttentionParams {
+  void* out;  // [num_seqs, num_heads, head_size], last dim contiguous
+  int64_t out_stride_seq, out_stride_head;
+  const void* query;  // [num_seqs, num_heads, head_size], last dim contiguous
+  int64_t q_stride_seq, q_stride_head;
+  const void* key_cache;    // [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const void* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
+  int64_t k_stride_block, v_stride_block;  // dim-0 strides (elements); inner dims dense
+  const int32_t* block_tables;
+  int64_t bt_stride_seq, bt_stride_col;
+  const int32_t* seq_lens;
+  int64_t sl_stride;
+  const float* alibi_slopes;  // null when absent
+  int64_t alibi_stride;
+  int64_t num_seqs;
+  int32_t num_heads, num_kv_heads, head_size, block_size;
+  int64_t num_blocks;       // block ids outside [0, num_blocks) are never dereferenced
+  float scale;
+  float logits_soft_cap;    // <= 0: off
+  int64_t sliding_window;   // <= 0: off
+  int64_t max_len;          // seq_lens are clamped to [0, max_len] on the device
+  // Work split (plan_attention).
+  int32_t group_tile;       // query heads per CTA (power of two <= max_group_tile)
+  int32_t num_tiles;        // CTAs per kv head along the GQA group
+  int32_t num_partitions;   // split-K partitions per sequence (1: no reduce kernel)
+  int64_t partition_tokens; // multiple of kPartitionUnit
+  // Split-K scratch (num_partitions > 1): [num_seqs, num_heads, num_partitions] (x head_size).
+  float* tmp_out;  // unnormalised partial outputs, fp32
+  float* tmp_max;  // running max per partition (-inf: the partition saw nothing)
+  float* tmp_sum;  // softmax denominator per partition, relative to its max
+  DType dtype;
+};
+
+struct AttentionPlan {
+  int32_t group_tile, num_tiles, num_partitions;
+  int64_t partition_tokens;
+};
+
+// Work split from host-known sizes only (never from device data), so that a captured CUDA graph
+// stays valid when seq_lens change in place. One CTA per (sequence, kv head, group tile,
+// partition); partitions are added until the grid has about two CTAs per SM.
+inline AttentionPlan plan_attention(int elem_size, int64_t num_seqs, int num_heads,
+                                    int num_kv_heads, int head_size, int block_size,
+                                    int64_t max_len, int num_sms) {
+  AttentionPlan p{};
+  const int group = num_heads / num_kv_heads;
+  const int gt_max = max_group_tile(elem_size, head_size, block_size);
+  p.num_tiles = (group + gt_max - 1) / gt_max;
+  const int per_tile = (group + p.num_tiles - 1) / p.num_tiles;
+  p.group_tile = 1;
+  while (p.group_tile < per_tile) p.group_tile *= 2;
+  const int64_t base = num_seqs * num_kv_heads * static_cast<int64_t>(p.num_tiles);
+  const int64_t units = max_len > 0 ? (max_len + kPartitionUnit - 1) / kPartitionUnit : 1;
+  const int64_t target = 2 * static_cast<int64_t>(num_sms > 0 ? num_sms : 1);
+  int64_t parts = (target + base - 1) / base;
+  if (parts > units) parts = units;
+  if (parts > kMaxPartitions) parts = kMaxPartitions;
+  if (parts < 1) parts = 1;
+  const int64_t units_per_part = (units + parts - 1) / parts;
+  p.partition_tokens = units_per_part * kPartitionUnit;
+  p.num_partitions = static_cast<int32_t>((units + units_per_part - 1) / units_per_part);
+  return p;
+}
+
+cudaError_t launch_attention_f32(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_attention_f16(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_attention_bf16(const AttentionParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Cache write and block copies
+// ---------------------------------------------------------------------------------------------
+
+struct CacheWriteParams {
+  const void* key;    // [>= num_tokens, num_kv_heads, head_size], last dim contiguous
+  const void* value;
+  int64_t key_stride_tok, key_stride_head, value_stride_tok, value_stride_head;
+  void* key_cache;    // 5D layout, dim-0 stride below, inner dims dense
+  void* value_cache;  // 4D layout
+  int64_t kc_stride_block, vc_stride_block;
+  const int64_t* slot_mapping;
+  int64_t slot_stride;
+  int64_t num_tokens;  // slot_mapping.size(0)
+  int64_t num_slots;   // num_blocks * block_size: larger slots are skipped on the device
+  int32_t num_kv_heads, head_size, block_size;
+  int32_t elem_size;   // 2 or 4
+  bool vectorized;     // every key/value/key_cache address and stride is 16-byte aligned
+};
+
+cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream);
+
+constexpr int kMaxCopyLayers = 64;  // layers per copy_blocks launch (pointers passed by value)
+
+struct CopyBlocksParams {
+  char* key_base[kMaxCopyLayers];
+  char* value_base[kMaxCopyLayers];
+  int64_t key_stride[kMaxCopyLayers];    // bytes between blocks
+  int64_t value_stride[kMaxCopyLayers];
+  const int64_t* mapping;  // device [num_pairs, 2]: (src, dst); out-of-range ids are skipped
+  int64_t map_stride0, map_stride1;
+  int64_t num_pairs;
+  int64_t num_blocks;
+  int64_t block_bytes;  // same for key and value blocks
+  int32_t num_layers;   // <= kMaxCopyLayers
+  bool vectorized;      // bases and strides 16-byte aligned (block_bytes always is)
+};
+
+cudaError_t launch_copy_blocks(const CopyBlocksParams& p, cudaStream_t stream);
+
+}  // namespace paged::gpu
