@@ -1,0 +1,564 @@
+"""Every paged op on CUDA, against paged_ops.reference and against the CPU kernels on identical
+inputs. Skipped cleanly without a GPU or without the CUDA kernels compiled in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TOL, cache_x, make_paged, random_query
+
+import paged_ops
+from paged_ops import reference as ref
+
+HAVE_CUDA = torch.cuda.is_available() and paged_ops.built_with_cuda()
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a build with CUDA kernels"),
+]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
+BLOCK_SIZES = [8, 16, 32]
+DEV = "cuda"
+
+
+def _cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+def check_attention(pg, q, dtype, *, out=None, compare_cpu=True, **kw):
+    """CUDA result vs the reference (same cache contents) and vs the CPU kernel."""
+    scale = kw.pop("scale", q.shape[-1] ** -0.5)
+    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale, out=out, **kw)
+    torch.cuda.synchronize()
+    assert got.device == q.device and got.dtype == q.dtype and got.shape == q.shape
+    if out is None:
+        assert got.is_contiguous()
+    assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
+    kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
+    bt, sl = pg.block_tables.cpu(), pg.seq_lens.cpu()
+    want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
+                         kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0))
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+    if compare_cpu:
+        cpu = paged_ops.paged_attention(q.cpu(), kc, vc, bt, sl, scale,
+                                        **{k: _cpu(v) for k, v in kw.items()})
+        torch.testing.assert_close(got.cpu().float(), cpu.float(), **TOL[dtype])
+    return got
+
+
+# ------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_attention_grid(dtype, head_size, block_size):
+    bs = block_size
+    lens = [0, 1, bs - 1, bs, bs + 1, 2 * bs + 5, 70]
+    pg = make_paged(lens, 2, head_size, bs, dtype, device=DEV, seed=head_size + bs)
+    q = random_query(len(lens), 8, head_size, dtype, device=DEV, scale=2.0)
+    out = check_attention(pg, q, dtype)
+    assert (out[0] == 0).all()  # seq_len 0 -> zero row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 8), (16, 8), (24, 8), (6, 2), (10, 2), (64, 8), (32, 1),
+                                   (40, 2), (12, 1)])
+def test_attention_gqa_mqa(dtype, heads):
+    # Group sizes 1, 2, 3, 5, 8, 32, 20, 12: one and several group tiles, padded tiles.
+    num_heads, num_kv_heads = heads
+    lens = [5, 16, 77, 300]
+    pg = make_paged(lens, num_kv_heads, 128, 16, dtype, device=DEV, seed=3)
+    q = random_query(len(lens), num_heads, 128, dtype, device=DEV, scale=2.0)
+    check_attention(pg, q, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_large_group_tiles_per_config(dtype):
+    # fp32 / bs 32 / head 256 allows only one head per tile: 4 tiles per kv head.
+    lens = [33, 95]
+    pg = make_paged(lens, 2, 256, 32, dtype, device=DEV, seed=4)
+    q = random_query(len(lens), 8, 256, dtype, device=DEV, scale=2.0)
+    check_attention(pg, q, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_long_context_split_k(dtype):
+    # Small batch, > 8192 positions: many partitions and the fp32 merge kernel.
+    lens = [9000, 12345, 3]
+    pg = make_paged(lens, 2, 128, 16, dtype, device=DEV, seed=5)
+    q = random_query(len(lens), 8, 128, dtype, device=DEV, scale=3.0)
+    check_attention(pg, q, dtype)
+    check_attention(pg, q, dtype, max_seq_len=12345)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_split_k_with_window_and_empty_partitions(dtype):
+    # Partitions wholly before the window, and partitions past short sequences, see nothing.
+    lens = [10000, 40, 0]
+    pg = make_paged(lens, 1, 64, 16, dtype, device=DEV, seed=6)
+    q = random_query(len(lens), 4, 64, dtype, device=DEV, scale=2.0)
+    check_attention(pg, q, dtype, sliding_window=700)
+    check_attention(pg, q, dtype, sliding_window=700, max_seq_len=20000)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_attention_alibi_window_softcap(dtype, block_size):
+    lens = [1, 17, 64, 333, 1000]
+    pg = make_paged(lens, 2, 64, block_size, dtype, device=DEV, seed=7)
+    q = random_query(len(lens), 8, 64, dtype, device=DEV, scale=2.0)
+    slopes = torch.rand(8, device=DEV) * 0.5
+    check_attention(pg, q, dtype, alibi_slopes=slopes)
+    check_attention(pg, q, dtype, sliding_window=37)
+    check_attention(pg, q, dtype, logits_soft_cap=5.0)
+    check_attention(pg, q, dtype, alibi_slopes=slopes, sliding_window=100, logits_soft_cap=8.0,
+                    scale=0.3)
+    # A strided slopes tensor.
+    check_attention(pg, q, dtype, alibi_slopes=torch.rand(16, device=DEV)[::2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_strided_query_pool_views_strided_tables(dtype):
+    # query: slice of a fused qkv tensor and a head-strided view; caches: layer 1 of a
+    # [blocks, layers, ...] pool; block_tables and seq_lens: strided views.
+    lens = [3, 50, 129]
+    H, Hkv, D = 8, 2, 96
+    pg = make_paged(lens, Hkv, D, 16, dtype, device=DEV, seed=8, pool_layers=3, layer=1)
+    assert pg.key_cache.stride(0) != pg.key_cache[0].numel()
+    qkv = random_query(len(lens), H + 2 * Hkv, D, dtype, device=DEV, scale=2.0)
+    check_attention(pg, qkv[:, :H], dtype)
+    q2 = random_query(len(lens), H * 2, D, dtype, device=DEV).view(len(lens), H, 2, D)[:, :, 1]
+    check_attention(pg, q2, dtype)
+    wide = torch.full((len(lens), pg.block_tables.shape[1] * 2), 7, dtype=torch.int32,
+                      device=DEV)
+    wide[:, ::2] = pg.block_tables
+    sl = torch.zeros(2 * len(lens), dtype=torch.int32, device=DEV)
+    sl[::2] = pg.seq_lens
+    pg.block_tables, pg.seq_lens = wide[:, ::2], sl[::2]
+    check_attention(pg, qkv[:, :H], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_out_strided(dtype):
+    lens = [0, 9, 100, 2000]
+    pg = make_paged(lens, 2, 128, 16, dtype, device=DEV, seed=9)
+    q = random_query(len(lens), 8, 128, dtype, device=DEV, scale=2.0)
+    buf = torch.full((len(lens), 8, 2, 128), 123.0, dtype=dtype, device=DEV)
+    out = buf[:, :, 1]
+    assert not out.is_contiguous()
+    got = check_attention(pg, q, dtype, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert (buf[:, :, 0] == 123.0).all(), "attention_out wrote outside out"
+    assert (out[0] == 0).all()
+
+
+def test_attention_zero_length_all_and_empty_batch():
+    pg = make_paged([0, 0, 0], 2, 64, 16, torch.float16, device=DEV)
+    q = random_query(3, 4, 64, torch.float16, device=DEV)
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens)
+    assert (out == 0).all()
+    empty = paged_ops.paged_attention(q[:0], pg.key_cache, pg.value_cache, pg.block_tables[:0],
+                                      pg.seq_lens[:0])
+    assert empty.shape == (0, 4, 64) and empty.is_cuda
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_memory_safety_out_of_range_ids_and_lengths(dtype):
+    # The CUDA path cannot raise on device data: bad ids are never dereferenced, lengths are
+    # clamped. Nothing may crash or read out of bounds, and the results stay well defined.
+    bs = 16
+    lens = [40, 40, 48]
+    pg = make_paged(lens, 2, 64, bs, dtype, device=DEV, seed=10, extra_blocks=2)
+    q = random_query(3, 4, 64, dtype, device=DEV)
+    nb = pg.key_cache.shape[0]
+    bt = pg.block_tables.clone()
+    bt[0, 2] = nb + 1000  # last block of seq 0 out of range: as if the sequence ended at 32
+    bt[1, 1] = -5         # middle block of seq 1 out of range: skipped
+    sl = pg.seq_lens.clone()
+    sl[2] = 10**6         # beyond what the table addresses: clamped to its capacity (80)
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, bt, sl)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+    scale = 64 ** -0.5
+    kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
+    want0 = ref.attention(q[:1].cpu(), kc, vc, bt[:1].cpu(), torch.tensor([32], dtype=torch.int32),
+                          scale)
+    torch.testing.assert_close(out[:1].cpu().float(), want0.float(), **TOL[dtype])
+    # seq 2: positions 48..79 lie in blocks with junk ids (2**30, -7): skipped, never read.
+    assert bt.shape[1] * bs == 80
+    want2 = ref.attention(q[2:].cpu(), kc, vc, bt[2:].cpu(), torch.tensor([48], dtype=torch.int32),
+                          scale)
+    torch.testing.assert_close(out[2:].cpu().float(), want2.float(), **TOL[dtype])
+    # max_seq_len smaller than the real lengths clamps them too.
+    out2 = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                     pg.seq_lens, max_seq_len=17)
+    want3 = ref.attention(q.cpu(), kc, vc, pg.block_tables.cpu(),
+                          torch.full((3,), 17, dtype=torch.int32), scale)
+    torch.testing.assert_close(out2.cpu().float(), want3.float(), **TOL[dtype])
+    # Negative lengths act as 0.
+    out3 = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                     torch.full((3,), -3, dtype=torch.int32, device=DEV))
+    assert (out3 == 0).all()
+    torch.cuda.synchronize()  # the context is still healthy
+
+
+def test_attention_rejects_unsupported_sizes_and_misaligned_caches():
+    pg = make_paged([5], 1, 48, 16, torch.float16, device=DEV)
+    q = random_query(1, 2, 48, torch.float16, device=DEV)
+    with pytest.raises(RuntimeError, match="head_size 48"):
+        paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens)
+    pg = make_paged([5], 1, 64, 4, torch.float16, device=DEV)
+    q = random_query(1, 2, 64, torch.float16, device=DEV)
+    with pytest.raises(RuntimeError, match="block_size 4"):
+        paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens)
+    # A block stride that is not a multiple of 16 bytes.
+    x = cache_x(torch.float16)
+    kflat = torch.zeros(4 * 64 * 16 + 8 * 4, dtype=torch.float16, device=DEV)
+    vflat = torch.zeros_like(kflat)
+    kc = kflat.as_strided((4, 1, 64 // x, 16, x), (64 * 16 + 1, 64 * 16, 16 * x, x, 1))
+    vc = vflat.as_strided((4, 1, 64, 16), (64 * 16 + 1, 64 * 16, 16, 1))
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        paged_ops.paged_attention(q, kc, vc, bt, torch.ones(1, dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_second_device():
+    dev = "cuda:1"
+    with torch.cuda.device(0):
+        pg = make_paged([7, 300], 2, 64, 16, torch.bfloat16, device=dev, seed=11)
+        q = random_query(2, 8, 64, torch.bfloat16, device=dev, scale=2.0)
+        got = check_attention(pg, q, torch.bfloat16)
+        assert got.device == torch.device(dev)
+        k = torch.randn(3, 2, 64, dtype=torch.bfloat16, device=dev)
+        slots = torch.tensor([0, 5, 17], device=dev)
+        kc, vc = pg.key_cache.clone(), pg.value_cache.clone()
+        want_k, want_v = ref.reshape_and_cache(k.cpu(), k.cpu(), kc.cpu(), vc.cpu(), slots.cpu())
+        paged_ops.reshape_and_cache(k, k, kc, vc, slots)
+        assert_same(kc.cpu(), want_k)
+        assert_same(vc.cpu(), want_v)
+        dst = torch.zeros_like(pg.key_cache, device="cuda:0")
+        paged_ops.swap_blocks(pg.key_cache, dst, [(0, 1), (2, 3)])
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        assert_same(dst[1].cpu(), pg.key_cache[0].cpu())
+        assert_same(dst[3].cpu(), pg.key_cache[2].cpu())
+
+
+# ------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ------------------------------------------------------------------------------------------
+
+
+def assert_same(a, b):
+    torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
+
+
+def nan_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device=DEV):
+    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
+                                         device=device)
+    return kc.fill_(float("nan")), vc.fill_(float("nan"))
+
+
+def check_cache_write(k, v, kc, vc, slots, *, ref_slots=None):
+    """CUDA write vs the reference and vs the CPU kernel, bit for bit."""
+    ref_slots = slots if ref_slots is None else ref_slots
+    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), ref_slots.cpu())
+    cpu_k, cpu_v = kc.cpu().clone(), vc.cpu().clone()
+    paged_ops.reshape_and_cache(k.cpu(), v.cpu(), cpu_k, cpu_v, ref_slots.cpu())
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
+    torch.cuda.synchronize()
+    assert_same(kc.cpu(), want_k)
+    assert_same(vc.cpu(), want_v)
+    assert_same(kc.cpu(), cpu_k)
+    assert_same(vc.cpu(), cpu_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [32, 80, 128, 256])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_reshape_and_cache_grid(dtype, head_size, block_size):
+    g = torch.Generator().manual_seed(head_size + block_size)
+    num_blocks, H, n = 12, 2, 19
+    kc, vc = nan_caches(num_blocks, H, head_size, block_size, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots[3] = -1
+    k = torch.randn(n, H, head_size, generator=g).to(dtype).to(DEV)
+    v = torch.randn(n, H, head_size, generator=g).to(dtype).to(DEV)
+    check_cache_write(k, v, kc, vc, slots.to(DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_many_heads_beyond_one_cta(dtype):
+    # num_kv_heads * head_size / x = 640 > 512 chunks per token: the grid-stride loop covers all.
+    x = cache_x(dtype)
+    H, D = 640 * x // 128, 128
+    assert H * D // x > 512
+    kc, vc = nan_caches(6, H, D, 16, dtype)
+    k = torch.randn(7, H, D, device=DEV).to(dtype)
+    v = torch.randn(7, H, D, device=DEV).to(dtype)
+    check_cache_write(k, v, kc, vc, torch.tensor([0, 17, 95, 40, -1, 64, 3], device=DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_strided_padded_misaligned_pool(dtype):
+    H, D, bs = 2, 64, 16
+    # Slices of a fused qkv tensor, graph padding rows beyond slot_mapping, a strided slot
+    # mapping, and caches that are layer 1 of a [layers, blocks, ...] pool.
+    qkv = torch.randn(10, 8 + 2 * H, D, device=DEV).to(dtype)
+    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]
+    x = cache_x(dtype)
+    kpool = torch.full((3, 8, H, D // x, bs, x), float("nan"), dtype=dtype, device=DEV)
+    vpool = torch.full((3, 8, H, D, bs), float("nan"), dtype=dtype, device=DEV)
+    kc, vc = kpool[1], vpool[1]
+    slots = torch.tensor([5, 99, 16, -1, 127, 0, 64], device=DEV)
+    strided = torch.stack([slots, torch.full_like(slots, -9)], 1).reshape(-1)[::2]
+    check_cache_write(k, v, kc, vc, strided)
+    assert torch.isnan(kpool[0]).all() and torch.isnan(kpool[2]).all()
+    # Key/value one element off 16-byte alignment: the scalar path.
+    base = torch.randn(6, H, D + 1, device=DEV).to(dtype)
+    k2, v2 = base[..., 1:], base.flip(0)[..., 1:]
+    check_cache_write(k2, v2, kc, vc, torch.tensor([1, 2, 3, 30, 31, -1], device=DEV))
+
+
+def test_reshape_and_cache_out_of_range_slot_is_skipped():
+    kc, vc = nan_caches(4, 2, 64, 16, torch.float16)
+    before_k, before_v = kc.clone(), vc.clone()
+    k = torch.randn(4, 2, 64, device=DEV).half()
+    slots = torch.tensor([3, 64, 10**12, 20], device=DEV)  # 64 = num_blocks * block_size
+    paged_ops.reshape_and_cache(k, k, kc, vc, slots)
+    torch.cuda.synchronize()
+    want_k, want_v = ref.reshape_and_cache(k.cpu(), k.cpu(), before_k.cpu(), before_v.cpu(),
+                                           torch.tensor([3, -1, -1, 20]))
+    assert_same(kc.cpu(), want_k)
+    assert_same(vc.cpu(), want_v)
+
+
+def test_reshape_and_cache_empty_and_bad_input_leaves_cache_unchanged():
+    kc, vc = nan_caches(4, 2, 64, 16, torch.float32)
+    k = torch.randn(3, 2, 64, device=DEV)
+    paged_ops.reshape_and_cache(k, k, kc, vc, torch.empty(0, dtype=torch.int64, device=DEV))
+    with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
+        paged_ops.reshape_and_cache(k, k, kc, vc, torch.zeros(3, dtype=torch.int32, device=DEV))
+    with pytest.raises(RuntimeError, match="same device"):
+        paged_ops.reshape_and_cache(k, k, kc, vc, torch.zeros(3, dtype=torch.int64))
+    assert torch.isnan(kc).all() and torch.isnan(vc).all()
+
+
+# ------------------------------------------------------------------------------------------
+# copy_blocks / swap_blocks
+# ------------------------------------------------------------------------------------------
+
+
+def random_layers(n, dtype=torch.float16, num_blocks=10, H=2, D=64, bs=16):
+    caches = [paged_ops.allocate_kv_cache(num_blocks, H, D, bs, dtype, device=DEV)
+              for _ in range(n)]
+    return [k.normal_() for k, _ in caches], [v.normal_() for _, v in caches]
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda", "cuda_strided"])
+@pytest.mark.parametrize("num_layers", [1, 3, 70])  # 70: more layers than one launch carries
+def test_copy_blocks(where, num_layers):
+    kcs, vcs = random_layers(num_layers)
+    mapping = torch.tensor([[0, 3], [1, 5], [9, 2], [4, 4]])
+    want_k, want_v = ref.copy_blocks([k.cpu() for k in kcs], [v.cpu() for v in vcs], mapping)
+    if where == "cuda":
+        mapping = mapping.to(DEV)
+    elif where == "cuda_strided":
+        mapping = mapping.t().contiguous().to(DEV).t()
+    paged_ops.copy_blocks(kcs, vcs, mapping)
+    torch.cuda.synchronize()
+    for a, b in zip(kcs + vcs, want_k + want_v):
+        assert_same(a.cpu(), b)
+
+
+def test_copy_blocks_pool_views_and_device_ids_out_of_range():
+    # [blocks, layers, ...] pools: each layer's cache has a strided block dim.
+    kpool = torch.randn(8, 2, 2, 8, 16, 8, device=DEV).half()
+    vpool = torch.randn(8, 2, 2, 64, 16, device=DEV).half()
+    kcs, vcs = [kpool[:, 0], kpool[:, 1]], [vpool[:, 0], vpool[:, 1]]
+    mapping = torch.tensor([[0, 1], [2, 99], [-1, 3], [6, 7]])
+    want_k, want_v = ref.copy_blocks([k.cpu() for k in kcs], [v.cpu() for v in vcs],
+                                     torch.tensor([[0, 1], [6, 7]]))
+    paged_ops.copy_blocks(kcs, vcs, mapping.to(DEV))  # bad device ids: those pairs are skipped
+    torch.cuda.synchronize()
+    for a, b in zip(kcs + vcs, want_k + want_v):
+        assert_same(a.cpu(), b)
+    before = [t.clone() for t in kcs + vcs]
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_ops.copy_blocks(kcs, vcs, mapping)  # host ids are checked before any copy
+    for a, b in zip(kcs + vcs, before):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_blocks_round_trip_pinned(dtype):
+    kcs, _ = random_layers(1, dtype)
+    gpu = kcs[0]
+    host = torch.zeros((6,) + gpu.shape[1:], dtype=dtype).pin_memory()
+    out_map = torch.tensor([[1, 0], [2, 1], [3, 2], [7, 5]])  # a run of three merges into one copy
+    want_host = ref.swap_blocks(gpu.cpu(), host, out_map)
+    paged_ops.swap_blocks(gpu, host, out_map)
+    torch.cuda.synchronize()
+    assert_same(host, want_host)
+    back = torch.zeros_like(gpu)
+    in_map = torch.tensor([[0, 9], [1, 8], [5, 0]])
+    want_back = ref.swap_blocks(host, back.cpu(), in_map)
+    paged_ops.swap_blocks(host, back, in_map)
+    torch.cuda.synchronize()
+    assert_same(back.cpu(), want_back)
+    assert_same(back[9].cpu(), gpu[1].cpu())
+
+
+def test_swap_blocks_gpu_gpu_pageable_and_views():
+    kcs, vcs = random_layers(2)
+    src = kcs[0]
+    pool = torch.zeros((10, 2) + src.shape[1:], dtype=src.dtype, device=DEV)
+    dst = pool[:, 1]  # strided block dim: no run merging
+    mapping = torch.tensor([[0, 0], [1, 1], [2, 2], [9, 4]])
+    want = ref.swap_blocks(src.cpu(), dst.cpu(), mapping)
+    paged_ops.swap_blocks(src, dst, mapping)
+    torch.cuda.synchronize()
+    assert_same(dst.cpu(), want)
+    assert (pool[:, 0] == 0).all()
+    pageable = vcs[1].cpu()
+    paged_ops.swap_blocks(pageable, vcs[0], [(3, 3)])
+    torch.cuda.synchronize()
+    assert_same(vcs[0][3].cpu(), pageable[3])
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_ops.swap_blocks(src, dst, [(0, 10)])
+
+
+# ------------------------------------------------------------------------------------------
+# opcheck, torch.compile, CUDA graphs
+# ------------------------------------------------------------------------------------------
+
+
+def attention_sample(dtype=torch.float32):
+    pg = make_paged([1, 17, 40], 2, 64, 16, dtype, device=DEV)
+    q = random_query(3, 8, 64, dtype, device=DEV)
+    return pg, (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_attention(dtype):
+    _, args = attention_sample(dtype)
+    torch.library.opcheck(torch.ops.paged.attention.default, args)
+    torch.library.opcheck(torch.ops.paged.attention.default, args,
+                          dict(alibi_slopes=torch.rand(8, device=DEV), sliding_window=20,
+                               logits_soft_cap=4.0, max_seq_len=40))
+
+
+def test_opcheck_attention_out():
+    _, args = attention_sample()
+    torch.library.opcheck(torch.ops.paged.attention_out.default,
+                          (torch.empty_like(args[0]),) + args)
+
+
+def test_opcheck_reshape_and_cache():
+    kc, vc = paged_ops.allocate_kv_cache(4, 2, 64, 16, torch.float32, device=DEV)
+    kc.zero_()
+    vc.zero_()
+    args = (torch.randn(5, 2, 64, device=DEV), torch.randn(5, 2, 64, device=DEV), kc, vc,
+            torch.tensor([3, 17, -1, 40, 63], device=DEV))
+    torch.library.opcheck(torch.ops.paged.reshape_and_cache.default, args)
+
+
+@pytest.mark.parametrize("mapping_device", ["cpu", DEV])
+def test_opcheck_copy_blocks(mapping_device):
+    kcs, vcs = random_layers(2, torch.float32, num_blocks=6, D=32, bs=8)
+    torch.library.opcheck(torch.ops.paged.copy_blocks.default,
+                          (kcs, vcs, torch.tensor([[0, 3], [1, 5]], device=mapping_device)))
+
+
+@pytest.mark.parametrize("direction", ["gpu_gpu", "gpu_cpu", "cpu_gpu"])
+def test_opcheck_swap_blocks(direction):
+    src = torch.randn(6, 2, 8, 16, device="cpu" if direction == "cpu_gpu" else DEV)
+    dst = torch.zeros(3, 2, 8, 16, device="cpu" if direction == "gpu_cpu" else DEV)
+    torch.library.opcheck(torch.ops.paged.swap_blocks.default,
+                          (src, dst, torch.tensor([[5, 0], [2, 2]])))
+
+
+def decode_step(q, k, v, key_cache, value_cache, slot_mapping, block_tables, seq_lens):
+    torch.ops.paged.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+    out = torch.ops.paged.attention(q * 1.0, key_cache, value_cache, block_tables, seq_lens,
+                                    q.shape[-1] ** -0.5)
+    return out.sum(dim=1) + 1.0
+
+
+def step_inputs(num_seqs, seed, dtype=torch.float32, lens=None):
+    """A decode step appending one token at position L of each sequence (L + 1 visible)."""
+    bs = 16
+    lens = lens or [3 + 9 * i for i in range(num_seqs)]
+    pg = make_paged(lens, 2, 64, bs, dtype, device=DEV, seed=seed, extra_blocks=num_seqs)
+    bt = pg.block_tables.clone()
+    used = set(bt[bt >= 0].tolist()) & set(range(pg.key_cache.shape[0]))
+    free = [b for b in range(pg.key_cache.shape[0]) if b not in used]
+    slots = []
+    for s, L in enumerate(lens):
+        if L % bs == 0:
+            bt[s, L // bs] = free.pop()
+        slots.append(int(bt[s, L // bs]) * bs + L % bs)
+    q = random_query(num_seqs, 8, 64, dtype, seed=seed, device=DEV)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(DEV)
+    v = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(DEV)
+    return (q, k, v, pg.key_cache, pg.value_cache, torch.tensor(slots, device=DEV), bt,
+            pg.seq_lens + 1)
+
+
+def test_compile_fullgraph_cache_write_and_attention():
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
+    for n, seed in ((3, 1), (5, 2)):
+        eager_in = step_inputs(n, seed)
+        comp_in = step_inputs(n, seed)
+        want = decode_step(*eager_in)
+        got = compiled(*comp_in)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(comp_in[3:5], eager_in[3:5]):
+            assert_same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_capture_replay_with_inputs_changed_in_place(dtype):
+    # Long enough that the captured attention uses split-K; seq_lens and slot_mapping change
+    # between replays, the graph's work split stays valid.
+    lens = [3000, 700]
+    q, k, v, kc, vc, slots, bt, sl = step_inputs(2, 21, dtype, lens=lens)
+    scale = 64 ** -0.5
+
+    def body():
+        torch.ops.paged.reshape_and_cache(k, v, kc, vc, slots)
+        return torch.ops.paged.attention(q, kc, vc, bt, sl, scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = body()
+    bs = 16
+    # Each step writes position L and attends to L + 1 positions, all of them written.
+    for step, new_lens in enumerate(([3000, 700], [2500, 701], [17, 702], [0, 1])):
+        sl.copy_(torch.tensor(new_lens, dtype=torch.int32) + 1)
+        new_slots = [int(bt[s, L // bs]) * bs + L % bs for s, L in enumerate(new_lens)]
+        slots.copy_(torch.tensor(new_slots))
+        k.normal_()
+        v.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = static_out.clone()
+        eager = body()  # rewrites the same slots with the same values
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, eager, atol=0, rtol=0, msg=f"replay {step}")
+        want = ref.attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), sl.cpu(), scale)
+        torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
