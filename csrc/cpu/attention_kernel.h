@@ -1,8 +1,11 @@
-// CPU paged decode attention, written once with at::vec and compiled per CPU capability
-// (the including file defines CPU_CAPABILITY; see kernels.h and setup.py).
+// CPU paged attention, written once with at::vec and compiled per CPU capability (the including
+// file defines CPU_CAPABILITY; see kernels.h and setup.py).
 //
-// Work item = (sequence, kv head): the whole GQA group of query heads is handled together, so
-// every K/V block is read from memory exactly once. Blocks are read straight from the cache
+// Work item = (sequence, kv head, chunk of query tokens, split of the block range): every query
+// row of the item (its tokens x the whole GQA group of heads) is handled together, so each K/V
+// block is read from memory once per item. Decode has one token per sequence; when sequences x
+// kv heads cannot keep every thread busy, long sequences are split over threads and the partial
+// softmax states merged exactly (flash-decoding). Blocks are read straight from the cache
 // through the block table (no gathered copy) with a blockwise online softmax (seed 004):
 //   m_new = max(m, max_t z_t);  l = l * e^(m - m_new) + sum_t e^(z_t - m_new);
 //   acc = acc * e^(m - m_new) + sum_t e^(z_t - m_new) v_t.
@@ -14,6 +17,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -30,11 +35,38 @@ inline namespace CPU_CAPABILITY {
 using VecF = at::vec::Vectorized<float>;
 constexpr int64_t W = VecF::size();  // fp32 lanes: 8 (DEFAULT, AVX2) or 16 (AVX-512)
 
+template <typename T>
+constexpr bool is_fp8_v =
+    std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+// fp8 -> fp32 by table lookup (256 entries per format).
+template <typename T>
+inline const float* fp8_table() {
+  static const auto table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(T(static_cast<uint8_t>(i), T::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
 // Load `count` (<= W) elements of T as fp32 lanes; missing lanes are zero.
 template <typename T>
 inline VecF load_f32(const T* p, int64_t count = W) {
   if constexpr (std::is_same_v<T, float>) {
     return count == W ? VecF::loadu(p) : VecF::loadu(p, count);
+  } else if constexpr (is_fp8_v<T>) {
+    const float* lut = fp8_table<T>();
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
+#if defined(CPU_CAPABILITY_AVX2)
+    if (count == W) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+      return VecF(_mm256_i32gather_ps(lut, idx, 4));
+    }
+#endif
+    float tmp[W] = {};
+    for (int64_t i = 0; i < count; ++i) tmp[i] = lut[b[i]];
+    return VecF::loadu(tmp);
   } else {
     if (count == W) {
       VecF out;
@@ -50,15 +82,24 @@ inline VecF load_f32(const T* p, int64_t count = W) {
   }
 }
 
+template <typename T>
+inline float to_f32(T v) {
+  if constexpr (is_fp8_v<T>) {
+    return fp8_table<T>()[reinterpret_cast<const uint8_t&>(v)];
+  } else {
+    return static_cast<float>(v);
+  }
+}
+
 // Per-thread scratch, grown on demand and reused across calls (no allocation per block or call
-// once warm).
+// once warm). R = query rows of a work item (tokens x GQA group).
 struct Scratch {
-  std::vector<float> qrep;   // [G][D/x][W]: q chunk c (pre-scaled) repeated across the W lanes
-  std::vector<float> raw;    // [G][KP] per-lane partial q.k sums of one block (t * x + i)
-  std::vector<float> p;      // [G][BP] logits, then probabilities of one block (0 when hidden)
-  std::vector<float> o;      // [G][DP] running sum of p * v
-  std::vector<float> vtmp;   // [D * bs] fp32 copy of a partially visible V block, hidden cols 0
-  std::vector<float> m, l;   // [G] running max / normalizer
+  std::vector<float> qrep;   // [R][D/x][XW]: q chunk c (pre-scaled) repeated to XW lanes
+  std::vector<float> raw;    // [R][KP] per-lane partial q.k sums of one block (t * x + i)
+  std::vector<float> p;      // [R][BP] logits, then probabilities of one block (0 when hidden)
+  std::vector<float> o;      // [R][DP] running sum of p * v
+  std::vector<float> vtmp;   // [D * bs] fp32 copy of a V block, columns hidden from all rows 0
+  std::vector<float> m, l;   // [R] running max / normalizer
 };
 
 inline Scratch& thread_scratch() {
@@ -72,24 +113,26 @@ inline void grow(std::vector<float>& v, int64_t n) {
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
-// raw[g][j] = sum_c qrep[g][c][j % W] * kblk[c][j] for the G_T heads of a tile, where
-// kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i). Since W % x == 0,
-// one repeated q vector per chunk lines up with every K vector of that chunk.
+// raw[g][j] = sum_c qrep[g][c][j % XW] * kblk[c][j] for the G_T rows of a tile, where
+// kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
+// q chunk c repeated to XW = max(x, W) lanes, so the q vector at offset j % XW lines up with
+// the K vector at j.
 template <int G_T, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
-                    int64_t chunk_elems, int64_t raw_stride) {
+                    int64_t chunk_elems, int64_t raw_stride, int64_t XW) {
   int64_t j = 0;
-  // Two K vectors per step: 2 loads + G_T q loads feed 2 * G_T FMAs.
+  // Two K vectors per step: 2 loads + G_T (or 2 G_T) q loads feed 2 G_T FMAs.
   for (; j + 2 * W <= chunk_elems; j += 2 * W) {
+    const int64_t o0 = j % XW, o1 = (j + W) % XW;
     VecF a[G_T], b[G_T];
     for (int g = 0; g < G_T; ++g) a[g] = b[g] = VecF(0.f);
     for (int64_t c = 0; c < num_chunks; ++c) {
       const VecF k0 = load_f32(kblk + c * chunk_elems + j);
       const VecF k1 = load_f32(kblk + c * chunk_elems + j + W);
       for (int g = 0; g < G_T; ++g) {
-        const VecF q = VecF::loadu(qrep + (g * num_chunks + c) * W);
-        a[g] = at::vec::fmadd(k0, q, a[g]);
-        b[g] = at::vec::fmadd(k1, q, b[g]);
+        const float* q = qrep + (g * num_chunks + c) * XW;
+        a[g] = at::vec::fmadd(k0, VecF::loadu(q + o0), a[g]);
+        b[g] = at::vec::fmadd(k1, VecF::loadu(q + o1), b[g]);
       }
     }
     for (int g = 0; g < G_T; ++g) {
@@ -99,12 +142,13 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
   }
   for (; j < chunk_elems; j += W) {
     const int64_t cnt = std::min<int64_t>(W, chunk_elems - j);
+    const int64_t o0 = j % XW;
     VecF a[G_T];
     for (int g = 0; g < G_T; ++g) a[g] = VecF(0.f);
     for (int64_t c = 0; c < num_chunks; ++c) {
       const VecF k = load_f32(kblk + c * chunk_elems + j, cnt);
       for (int g = 0; g < G_T; ++g) {
-        a[g] = at::vec::fmadd(k, VecF::loadu(qrep + (g * num_chunks + c) * W), a[g]);
+        a[g] = at::vec::fmadd(k, VecF::loadu(qrep + (g * num_chunks + c) * XW + o0), a[g]);
       }
     }
     for (int g = 0; g < G_T; ++g) a[g].store(raw + g * raw_stride + j);
@@ -141,7 +185,13 @@ inline VecF reduce_rows(const VecF* r) {
 inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z) {
   int64_t t = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-  if (x == 8) {  // one token per vector
+  if (x == 16) {  // two vectors per token (fp8)
+    for (; t + 8 <= ntok; t += 8) {
+      VecF r[8];
+      for (int k = 0; k < 8; ++k) r[k] = VecF::loadu(raw + (t + k) * 16) + VecF::loadu(raw + (t + k) * 16 + 8);
+      reduce_rows(r).store(z + t);
+    }
+  } else if (x == 8) {  // one token per vector
     for (; t + 8 <= ntok; t += 8) {
       VecF r[8];
       for (int k = 0; k < 8; ++k) r[k] = VecF::loadu(raw + (t + k) * 8);
@@ -204,15 +254,15 @@ inline void pv_head_any(const float* vblk, const float* pg, float* og, int64_t D
   }
 }
 
-// Convert (16-bit caches) or copy a [D][bs] V block to fp32, zeroing hidden columns [0, t0)
-// and [t1, bs): their probability is 0, but 0 * NaN would still be NaN.
+// Convert (16-bit / fp8 caches) or copy a [D][bs] V block to fp32, zeroing columns outside
+// [t0, t1): their probability is 0 for every row, but 0 * NaN would still be NaN.
 template <typename T>
 inline void v_block_to_f32(const T* vblk, float* dst, int64_t D, int64_t bs, int64_t t0,
                            int64_t t1) {
   const int64_t n = D * bs;
   int64_t j = 0;
   for (; j + W <= n; j += W) load_f32(vblk + j).store(dst + j);
-  for (; j < n; ++j) dst[j] = static_cast<float>(vblk[j]);
+  for (; j < n; ++j) dst[j] = to_f32(vblk[j]);
   if (t0 > 0 || t1 < bs) {
     for (int64_t d = 0; d < D; ++d) {
       for (int64_t t = 0; t < t0; ++t) dst[d * bs + t] = 0.f;
@@ -221,7 +271,15 @@ inline void v_block_to_f32(const T* vblk, float* dst, int64_t D, int64_t bs, int
   }
 }
 
-template <typename T>
+// How the work is cut: items enumerate (sequence, kv head, token chunk, split).
+struct Plan {
+  int64_t tokens_per_chunk;  // query tokens per item (1 for decode)
+  int64_t splits;            // block-range splits per (sequence, kv head) (decode only)
+  std::vector<int64_t> chunk_start;  // multi-token: prefix sums of chunks per sequence
+  int64_t num_items;
+};
+
+template <typename QT, typename CT>
 void attention_impl(const AttentionParams& P) {
   const int64_t G = P.num_heads / P.num_kv_heads;
   const int64_t D = P.head_size;
@@ -232,161 +290,285 @@ void attention_impl(const AttentionParams& P) {
   const int64_t KP = round_up(chunk_elems, W);  // raw row, padded to whole vectors
   const int64_t BP = round_up(bs, W);           // probability row, padded to whole vectors
   const int64_t DP = round_up(D, W);
+  const int64_t XW = std::max<int64_t>(x, W);   // q chunk repetition length (x, W: powers of 2)
   const int64_t NV = bs / W;                    // V row vectors in the fast PV path
   const bool fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
   const bool plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
-  const T* q_base = static_cast<const T*>(P.query);
-  T* o_base = static_cast<T*>(P.out);
-  const T* kc = static_cast<const T*>(P.key_cache);
-  const T* vc = static_cast<const T*>(P.value_cache);
+  const float qk_scale = P.scale * P.k_scale;  // (q . s_k k) scale = s_k scale (q . k)
+  const QT* q_base = static_cast<const QT*>(P.query);
+  QT* o_base = static_cast<QT*>(P.out);
+  const CT* kc = static_cast<const CT*>(P.key_cache);
+  const CT* vc = static_cast<const CT*>(P.value_cache);
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const bool multi = P.query_start_loc != nullptr;
 
-  at::parallel_for(0, P.num_seqs * P.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  Plan plan;
+  plan.splits = 1;
+  if (multi) {
+    // Chunks of query tokens: about 64 query rows per item keeps the scratch in L2 and gives
+    // long prompts parallelism.
+    plan.tokens_per_chunk = std::max<int64_t>(1, 64 / G);
+    plan.chunk_start.resize(P.num_seqs + 1);
+    plan.chunk_start[0] = 0;
+    for (int64_t s = 0; s < P.num_seqs; ++s) {
+      const int64_t q_len = P.query_start_loc[s + 1] - P.query_start_loc[s];
+      plan.chunk_start[s + 1] =
+          plan.chunk_start[s] + (q_len + plan.tokens_per_chunk - 1) / plan.tokens_per_chunk;
+    }
+    plan.num_items = plan.chunk_start[P.num_seqs] * P.num_kv_heads;
+  } else {
+    plan.tokens_per_chunk = 1;
+    const int64_t pairs = P.num_seqs * P.num_kv_heads;
+    // Too few (sequence, kv head) pairs for the threads: split the block range of each, but
+    // keep at least 8 blocks per split so the merge stays negligible.
+    if (pairs < 2 * P.num_threads && P.num_threads > 1) {
+      int64_t max_len = 0;
+      for (int64_t s = 0; s < P.num_seqs; ++s) max_len = std::max<int64_t>(max_len, P.seq_lens[s * P.sl_stride]);
+      const int64_t max_blocks = (max_len + bs - 1) / bs;
+      const int64_t want = (2 * P.num_threads + pairs - 1) / std::max<int64_t>(pairs, 1);
+      plan.splits = std::max<int64_t>(1, std::min<int64_t>(want, max_blocks / 8));
+    }
+    plan.num_items = pairs * plan.splits;
+  }
+  // Split-K partial states: [item][G] of (m, l) and [item][G][D] of unnormalised output.
+  std::vector<float> part_ml, part_o;
+  if (plan.splits > 1) {
+    part_ml.assign(plan.num_items * G * 2, 0.f);
+    part_o.assign(plan.num_items * G * D, 0.f);
+  }
+
+  at::parallel_for(0, plan.num_items, 1, [&](int64_t begin, int64_t end) {
     Scratch& S = thread_scratch();
-    grow(S.qrep, G * num_chunks * W);
-    grow(S.raw, G * KP);
-    grow(S.p, G * BP);
-    grow(S.o, G * DP);
+    const int64_t R_max = plan.tokens_per_chunk * G;
+    grow(S.qrep, R_max * num_chunks * XW);
+    grow(S.raw, R_max * KP);
+    grow(S.p, R_max * BP);
+    grow(S.o, R_max * DP);
     grow(S.vtmp, D * bs);
-    grow(S.m, G);
-    grow(S.l, G);
+    grow(S.m, R_max);
+    grow(S.l, R_max);
+    std::vector<int64_t> row_P, row_lo;  // per row: last visible position, first visible one
+    row_P.reserve(R_max);
+    row_lo.reserve(R_max);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / P.num_kv_heads;
-      const int64_t kvh = item % P.num_kv_heads;
+      // Decode the item.
+      int64_t s, kvh, j0 = 0, j1 = 1, split = 0, q_len = 1, row0;
+      if (multi) {
+        const int64_t c = item / P.num_kv_heads;
+        kvh = item % P.num_kv_heads;
+        s = std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), c) -
+            plan.chunk_start.begin() - 1;
+        q_len = P.query_start_loc[s + 1] - P.query_start_loc[s];
+        j0 = (c - plan.chunk_start[s]) * plan.tokens_per_chunk;
+        j1 = std::min(q_len, j0 + plan.tokens_per_chunk);
+        row0 = P.query_start_loc[s];
+      } else {
+        split = item % plan.splits;
+        kvh = (item / plan.splits) % P.num_kv_heads;
+        s = item / (plan.splits * P.num_kv_heads);
+        row0 = s;
+      }
       const int64_t h0 = kvh * G;
       const int64_t L = P.seq_lens[s * P.sl_stride];
-      if (L <= 0) {
+      const int64_t R = (j1 - j0) * G;  // rows: token-major, head-minor
+      // Visible range of each row: [lo, Ppos].
+      row_P.clear();
+      row_lo.clear();
+      int64_t lo_min = std::numeric_limits<int64_t>::max(), P_max = -1;
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t Ppos = L - q_len + j;
+        const int64_t lo = P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
         for (int64_t g = 0; g < G; ++g) {
-          T* o = o_base + s * P.out_stride_seq + (h0 + g) * P.out_stride_head;
-          std::fill(o, o + D, T(0.f));
+          row_P.push_back(Ppos);
+          row_lo.push_back(lo);
         }
-        continue;
+        lo_min = std::min(lo_min, lo);
+        P_max = std::max(P_max, Ppos);
       }
-      const int64_t start = P.sliding_window > 0 ? std::max<int64_t>(0, L - P.sliding_window) : 0;
-      // Query chunks, pre-scaled, repeated across lanes for the QK pass.
-      for (int64_t g = 0; g < G; ++g) {
-        const T* q = q_base + s * P.q_stride_seq + (h0 + g) * P.q_stride_head;
+      int64_t b_first = L > 0 ? lo_min / bs : 0;
+      int64_t b_last = L > 0 ? P_max / bs : -1;
+      if (plan.splits > 1) {
+        const int64_t nblk = b_last - b_first + 1;
+        const int64_t per = (nblk + plan.splits - 1) / plan.splits;
+        const int64_t a = b_first + split * per;
+        b_last = std::min(b_last, a + per - 1);
+        b_first = a;
+      }
+      // Query rows, pre-scaled, chunks repeated across lanes for the QK pass.
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t j = j0 + r / G, g = r % G;
+        const QT* q = q_base + (row0 + (multi ? j : 0)) * P.q_stride_seq + (h0 + g) * P.q_stride_head;
         for (int64_t c = 0; c < num_chunks; ++c) {
-          float* r = S.qrep.data() + (g * num_chunks + c) * W;
-          for (int64_t lane = 0; lane < W; ++lane) {
-            r[lane] = static_cast<float>(q[c * x + lane % x]) * P.scale;
+          float* rp = S.qrep.data() + (r * num_chunks + c) * XW;
+          for (int64_t lane = 0; lane < XW; ++lane) {
+            rp[lane] = static_cast<float>(q[c * x + lane % x]) * qk_scale;
           }
         }
-        S.m[g] = neg_inf;
-        S.l[g] = 0.f;
+        S.m[r] = neg_inf;
+        S.l[r] = 0.f;
       }
-      std::fill(S.o.begin(), S.o.begin() + G * DP, 0.f);
+      std::fill(S.o.begin(), S.o.begin() + R * DP, 0.f);
       const int32_t* table = P.block_tables + s * P.bt_stride_seq;
-      const int64_t first_blk = start / bs;
-      const int64_t last_blk = (L - 1) / bs;
-      for (int64_t b = first_blk; b <= last_blk; ++b) {
+      for (int64_t b = b_first; b <= b_last; ++b) {
         const int64_t blk = table[b * P.bt_stride_col];
-        const T* kblk = kc + blk * P.k_stride_block + kvh * (D * bs);
-        const T* vblk = vc + blk * P.v_stride_block + kvh * (D * bs);
-        // Visible offsets of this block: [t0, t1).
-        const int64_t t0 = std::max<int64_t>(start - b * bs, 0);
-        const int64_t t1 = std::min<int64_t>(L - b * bs, bs);
-        const bool partial = t0 > 0 || t1 < bs;
-        if (b < last_blk) {
-          // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for
-          // it now, and its memory latency overlaps this block's compute.
+        const CT* kblk = kc + blk * P.k_stride_block + kvh * (D * bs);
+        const CT* vblk = vc + blk * P.v_stride_block + kvh * (D * bs);
+        if (b < b_last) {
+          // Blocks are scattered, so the hardware prefetcher cannot guess the next one.
           const int64_t nb = table[(b + 1) * P.bt_stride_col];
           const char* nk = reinterpret_cast<const char*>(kc + nb * P.k_stride_block + kvh * (D * bs));
           const char* nv = reinterpret_cast<const char*>(vc + nb * P.v_stride_block + kvh * (D * bs));
-          for (int64_t off = 0; off < static_cast<int64_t>(D * bs * sizeof(T)); off += 64) {
+          for (int64_t off = 0; off < static_cast<int64_t>(D * bs * sizeof(CT)); off += 64) {
             __builtin_prefetch(nk + off);
             __builtin_prefetch(nv + off);
           }
         }
-        // QK over the whole GQA group, in register tiles of heads.
-        int64_t g = 0;
-        for (; g + 4 <= G; g += 4)
-          qk_tile<4>(kblk, S.qrep.data() + g * num_chunks * W, S.raw.data() + g * KP, num_chunks, chunk_elems, KP);
-        for (; g < G; ++g)
-          qk_tile<1>(kblk, S.qrep.data() + g * num_chunks * W, S.raw.data() + g * KP, num_chunks, chunk_elems, KP);
-        // V as fp32 (once for the whole group), hidden columns zeroed. fp32 full blocks are
-        // read in place.
+        // Offsets of this block visible to at least one row: [t0_all, t1_all).
+        const int64_t t0_all = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
+        const int64_t t1_all = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
+        // QK for every row, in register tiles of 4 rows.
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4)
+          qk_tile<4>(kblk, S.qrep.data() + r * num_chunks * XW, S.raw.data() + r * KP, num_chunks, chunk_elems, KP, XW);
+        for (; r < R; ++r)
+          qk_tile<1>(kblk, S.qrep.data() + r * num_chunks * XW, S.raw.data() + r * KP, num_chunks, chunk_elems, KP, XW);
+        // V in fp32, once for all rows; fp32 caches with every column visible are read in place.
         const float* vf;
-        if (std::is_same_v<T, float> && !partial) {
+        if (std::is_same_v<CT, float> && t0_all == 0 && t1_all == bs) {
           vf = reinterpret_cast<const float*>(vblk);
         } else {
-          v_block_to_f32(vblk, S.vtmp.data(), D, bs, t0, t1);
+          v_block_to_f32(vblk, S.vtmp.data(), D, bs, t0_all, t1_all);
           vf = S.vtmp.data();
         }
-        for (g = 0; g < G; ++g) {
+        for (r = 0; r < R; ++r) {
+          const int64_t t0 = std::clamp<int64_t>(row_lo[r] - b * bs, 0, bs);
+          const int64_t t1 = std::clamp<int64_t>(row_P[r] + 1 - b * bs, 0, bs);
+          if (t0 >= t1) continue;  // nothing of this block is visible to this row
+          const bool partial = t0 > 0 || t1 < bs;
           // Logits; hidden offsets and the padding up to BP are -inf by position, never
           // computed from cache data.
-          float* pg = S.p.data() + g * BP;
-          sum_lane_groups(S.raw.data() + g * KP, x, bs, pg);
-          for (int64_t t = bs; t < BP; ++t) pg[t] = neg_inf;
-          VecF vmax(neg_inf);
-          if (plain_logits && !partial) {
-            for (int64_t j = 0; j < BP; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pg + j));
-          } else {
+          float* pr = S.p.data() + r * BP;
+          sum_lane_groups(S.raw.data() + r * KP, x, bs, pr);
+          for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
+          if (!plain_logits || partial) {
+            const int64_t g = r % G;
             const float slope = P.alibi_slopes ? P.alibi_slopes[(h0 + g) * P.alibi_stride] : 0.f;
             for (int64_t t = 0; t < bs; ++t) {
               if (t < t0 || t >= t1) {
-                pg[t] = neg_inf;
+                pr[t] = neg_inf;
                 continue;
               }
-              float v = pg[t];
+              float v = pr[t];
               if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
-              if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - (L - 1));
-              pg[t] = v;
+              if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - row_P[r]);
+              pr[t] = v;
             }
-            for (int64_t j = 0; j < BP; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pg + j));
           }
+          VecF vmax(neg_inf);
+          for (int64_t j = 0; j < BP; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
           float bmax = neg_inf;
           {
             float tmp[W];
             vmax.store(tmp);
             for (int64_t k = 0; k < W; ++k) bmax = std::max(bmax, tmp[k]);
           }
-          const float m_old = S.m[g];
+          const float m_old = S.m[r];
           const float m_new = std::max(m_old, bmax);
+          float* orow = S.o.data() + r * DP;
           if (m_new > m_old && m_old != neg_inf) {
             const float a = std::exp(m_old - m_new);
             const VecF alpha(a);
-            S.l[g] *= a;
-            float* og = S.o.data() + g * DP;
-            for (int64_t j = 0; j < DP; j += W) (VecF::loadu(og + j) * alpha).store(og + j);
+            S.l[r] *= a;
+            for (int64_t j = 0; j < DP; j += W) (VecF::loadu(orow + j) * alpha).store(orow + j);
           }
-          S.m[g] = m_new;
+          S.m[r] = m_new;
           // p = exp(z - m); exp(-inf) = 0 for hidden offsets and padding.
           VecF sum(0.f);
           const VecF vm(m_new);
           for (int64_t j = 0; j < BP; j += W) {
-            const VecF e = (VecF::loadu(pg + j) - vm).exp_u20();
-            e.store(pg + j);
+            const VecF e = (VecF::loadu(pr + j) - vm).exp_u20();
+            e.store(pr + j);
             sum = sum + e;
           }
-          S.l[g] += hsum(sum);
-          // PV for this head.
-          float* og = S.o.data() + g * DP;
+          S.l[r] += hsum(sum);
           if (fast_pv) {
-            if (NV == 1) pv_head_fast<1>(vf, pg, og, D);
-            else if (NV == 2) pv_head_fast<2>(vf, pg, og, D);
-            else pv_head_fast<4>(vf, pg, og, D);
+            if (NV == 1) pv_head_fast<1>(vf, pr, orow, D);
+            else if (NV == 2) pv_head_fast<2>(vf, pr, orow, D);
+            else pv_head_fast<4>(vf, pr, orow, D);
           } else {
-            pv_head_any(vf, pg, og, D, bs);
+            pv_head_any(vf, pr, orow, D, bs);
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        T* o = o_base + s * P.out_stride_seq + (h0 + g) * P.out_stride_head;
-        const float* og = S.o.data() + g * DP;
-        const float inv = 1.f / S.l[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(og[d] * inv);
+      if (plan.splits > 1) {
+        for (int64_t g = 0; g < G; ++g) {
+          part_ml[(item * G + g) * 2] = S.m[g];
+          part_ml[(item * G + g) * 2 + 1] = S.l[g];
+          std::copy(S.o.begin() + g * DP, S.o.begin() + g * DP + D, part_o.begin() + (item * G + g) * D);
+        }
+        continue;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t j = j0 + r / G, g = r % G;
+        QT* o = o_base + (row0 + (multi ? j : 0)) * P.out_stride_seq + (h0 + g) * P.out_stride_head;
+        const float* orow = S.o.data() + r * DP;
+        // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
+        const float inv = S.l[r] > 0.f ? P.v_scale / S.l[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(orow[d] * inv);
       }
     }
   });
+
+  if (plan.splits > 1) {
+    // Exact merge of the splits: m = max m_i, l = sum l_i e^(m_i - m),
+    // o = sum o_i e^(m_i - m) / l. Empty splits (l_i = 0, m_i = -inf) contribute nothing.
+    at::parallel_for(0, P.num_seqs * P.num_kv_heads * G, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(D);
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t g = w % G;
+        const int64_t pair = w / G;  // s * num_kv_heads + kvh
+        const int64_t s = pair / P.num_kv_heads, kvh = pair % P.num_kv_heads;
+        float m = neg_inf;
+        for (int64_t sp = 0; sp < plan.splits; ++sp) {
+          const int64_t it = pair * plan.splits + sp;
+          if (part_ml[(it * G + g) * 2 + 1] > 0.f) m = std::max(m, part_ml[(it * G + g) * 2]);
+        }
+        float l = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t sp = 0; sp < plan.splits; ++sp) {
+          const int64_t it = pair * plan.splits + sp;
+          const float li = part_ml[(it * G + g) * 2 + 1];
+          if (li <= 0.f) continue;
+          const float w_i = std::exp(part_ml[(it * G + g) * 2] - m);
+          l += li * w_i;
+          const float* oi = part_o.data() + (it * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += oi[d] * w_i;
+        }
+        QT* o = o_base + s * P.out_stride_seq + (kvh * G + g) * P.out_stride_head;
+        const float inv = l > 0.f ? P.v_scale / l : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(acc[d] * inv);
+      }
+    });
+  }
+}
+
+template <typename QT>
+inline void attention_q(const AttentionParams& P) {
+  switch (P.cache_dtype) {
+    case DType::F32: return attention_impl<QT, float>(P);
+    case DType::F16: return attention_impl<QT, c10::Half>(P);
+    case DType::BF16: return attention_impl<QT, c10::BFloat16>(P);
+    case DType::F8E4M3: return attention_impl<QT, c10::Float8_e4m3fn>(P);
+    case DType::F8E5M2: return attention_impl<QT, c10::Float8_e5m2>(P);
+  }
 }
 
 inline void attention(const AttentionParams& P) {
   switch (P.dtype) {
-    case DType::F32: return attention_impl<float>(P);
-    case DType::F16: return attention_impl<c10::Half>(P);
-    case DType::BF16: return attention_impl<c10::BFloat16>(P);
+    case DType::F32: return attention_q<float>(P);
+    case DType::F16: return attention_q<c10::Half>(P);
+    case DType::BF16: return attention_q<c10::BFloat16>(P);
+    default: return;  // unreachable: queries are checked to be fp32 / fp16 / bf16
   }
 }
 

@@ -8,12 +8,12 @@
 
 namespace paged::cpu {
 
-enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2, F8E4M3 = 3, F8E5M2 = 4 };
 
 struct AttentionParams {
-  void* out;  // [num_seqs, num_heads, head_size], last dim contiguous
+  void* out;  // [num_tokens, num_heads, head_size], last dim contiguous
   int64_t out_stride_seq, out_stride_head;
-  const void* query;  // [num_seqs, num_heads, head_size], last dim contiguous
+  const void* query;  // [num_tokens, num_heads, head_size], last dim contiguous
   int64_t q_stride_seq, q_stride_head;
   const void* key_cache;  // [num_blocks, num_kv_heads, head_size / x, block_size, x]
   const void* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
@@ -24,11 +24,17 @@ struct AttentionParams {
   int64_t sl_stride;
   const float* alibi_slopes;  // null when absent
   int64_t alibi_stride;
-  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, x;
+  // Several query tokens per sequence: sequence s owns query rows [qsl[s], qsl[s + 1]), its
+  // last positions. Null for decode (one row per sequence).
+  const int32_t* query_start_loc;
+  int64_t num_seqs, num_tokens, num_heads, num_kv_heads, head_size, block_size, x;
   float scale;
   float logits_soft_cap;   // <= 0: off
   int64_t sliding_window;  // <= 0: off
-  DType dtype;
+  float k_scale, v_scale;  // fp8 caches: real value = stored * scale (1 otherwise)
+  int64_t num_threads;     // at::get_num_threads() of the caller, for the split heuristic
+  DType dtype;             // query / output
+  DType cache_dtype;
 };
 
 struct KernelTable {
@@ -37,7 +43,7 @@ struct KernelTable {
   void (*attention)(const AttentionParams&);
 };
 
-constexpr int32_t kKernelAbiVersion = 1;
+constexpr int32_t kKernelAbiVersion = 2;
 
 }  // namespace paged::cpu
 

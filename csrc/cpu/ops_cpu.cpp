@@ -30,6 +30,8 @@ DType to_dtype(c10::ScalarType t) {
     case at::kFloat: return DType::F32;
     case at::kHalf: return DType::F16;
     case at::kBFloat16: return DType::BF16;
+    case at::kFloat8_e4m3fn: return DType::F8E4M3;
+    case at::kFloat8_e5m2: return DType::F8E5M2;
     default: TORCH_CHECK(false, "unsupported dtype ", t);  // unreachable after the checks
   }
 }
@@ -38,8 +40,10 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double logits_soft_cap, const AttentionDims& d) {
-  if (d.num_seqs == 0) return;
+                    double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale,
+                    const std::optional<at::Tensor>& query_start_loc, const AttentionDims& d) {
+  if (d.num_seqs == 0 || d.num_tokens == 0) return;
   AttentionParams p{};
   p.out = out.data_ptr();
   p.out_stride_seq = out.stride(0);
@@ -58,7 +62,12 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   p.sl_stride = seq_lens.stride(0);
   p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
   p.alibi_stride = alibi_slopes.has_value() ? alibi_slopes->stride(0) : 0;
+  // query_start_loc is small and read on every item: a contiguous copy (a no-op if it is one).
+  at::Tensor qsl;
+  if (query_start_loc.has_value()) qsl = query_start_loc->contiguous();
+  p.query_start_loc = qsl.defined() ? qsl.data_ptr<int32_t>() : nullptr;
   p.num_seqs = d.num_seqs;
+  p.num_tokens = d.num_tokens;
   p.num_heads = d.num_heads;
   p.num_kv_heads = d.cache.num_kv_heads;
   p.head_size = d.cache.head_size;
@@ -67,7 +76,13 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   p.scale = static_cast<float>(scale);
   p.logits_soft_cap = static_cast<float>(logits_soft_cap);
   p.sliding_window = sliding_window;
+  const bool fp8 = is_fp8(key_cache.scalar_type());
+  // fp8 scales are one-element CPU tensors: read once on the host.
+  p.k_scale = fp8 ? k_scale->to(at::kFloat).contiguous().data_ptr<float>()[0] : 1.f;
+  p.v_scale = fp8 ? v_scale->to(at::kFloat).contiguous().data_ptr<float>()[0] : 1.f;
+  p.num_threads = at::get_num_threads();
   p.dtype = to_dtype(query.scalar_type());
+  p.cache_dtype = to_dtype(key_cache.scalar_type());
   kernels()->attention(p);
 }
 
@@ -85,7 +100,8 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
   check_attention_indices_cpu(d, block_tables, seq_lens, max_seq_len);
   at::Tensor out = at::empty(query.sizes(), query.options());
   attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                 alibi_slopes, sliding_window, logits_soft_cap, d);
+                 alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale, std::nullopt,
+                 d);
   return out;
 }
 
@@ -101,7 +117,8 @@ void attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                       max_seq_len);
   check_attention_indices_cpu(d, block_tables, seq_lens, max_seq_len);
   attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                 alibi_slopes, sliding_window, logits_soft_cap, d);
+                 alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale, std::nullopt,
+                 d);
 }
 
 }  // namespace
