@@ -16,13 +16,13 @@ TORCH_LIBRARY(paged, m) {
       "attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,"
       " Tensor seq_lens, float scale, Tensor? alibi_slopes=None, int sliding_window=-1,"
       " float logits_soft_cap=0.0, Tensor? k_scale=None, Tensor? v_scale=None,"
-      " int? max_seq_len=None) -> Tensor",
+      " int? max_seq_len=None, Tensor? query_start_loc=None) -> Tensor",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "attention_out(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache,"
       " Tensor block_tables, Tensor seq_lens, float scale, Tensor? alibi_slopes=None,"
       " int sliding_window=-1, float logits_soft_cap=0.0, Tensor? k_scale=None,"
-      " Tensor? v_scale=None, int? max_seq_len=None) -> ()",
+      " Tensor? v_scale=None, int? max_seq_len=None, Tensor? query_start_loc=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping)"

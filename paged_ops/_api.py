@@ -50,11 +50,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     sliding_window: int = -1, logits_soft_cap: float = 0.0,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     max_seq_len: int | None = None,
+                    query_start_loc: torch.Tensor | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention of one query token per sequence over a paged KV cache.
+    """Attention of new query tokens over a paged KV cache (decode: one token per sequence).
 
     Args:
-        query: ``[num_seqs, num_heads, head_size]``, last dim contiguous.
+        query: ``[num_seqs, num_heads, head_size]`` (decode) or, with ``query_start_loc``,
+            ``[total_query_tokens, num_heads, head_size]``; last dim contiguous.
         key_cache, value_cache: the caches (DESIGN.md §2 layouts).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entry ``b`` of row ``s`` is the
             physical block holding positions ``b * block_size ...`` of sequence ``s``.
@@ -65,15 +67,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         logits_soft_cap: ``> 0`` maps logits through ``cap * tanh(z / cap)``.
         k_scale, v_scale: fp32 one-element scales of fp8 caches.
         max_seq_len: optional host-side upper bound on ``seq_lens``.
+        query_start_loc: optional int32 ``[num_seqs + 1]`` cumulative offsets: sequence ``s``
+            owns query rows ``[qsl[s], qsl[s+1])``, its last ``q_len`` positions; row ``j`` at
+            position ``P = seq_lens[s] - q_len + j`` attends causally to positions ``p <= P``
+            (chunked prefill, prefix-cache hits, speculative verification).
         out: optional output tensor (``attention_out``); otherwise a new one is returned.
 
     Returns:
-        ``[num_seqs, num_heads, head_size]`` in the query's dtype (``out`` when given).
+        A tensor of the query's shape and dtype (``out`` when given).
     """
     if scale is None:
         scale = query.shape[-1] ** -0.5
     args = (query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
-            int(sliding_window), float(logits_soft_cap), k_scale, v_scale, max_seq_len)
+            int(sliding_window), float(logits_soft_cap), k_scale, v_scale, max_seq_len,
+            query_start_loc)
     if out is None:
         return torch.ops.paged.attention(*args)
     torch.ops.paged.attention_out(out, *args)

@@ -12,7 +12,7 @@ import torch
 @torch.library.register_fake("paged::attention")
 def _attention_fake(query, key_cache, value_cache, block_tables, seq_lens, scale,
                     alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0, k_scale=None,
-                    v_scale=None, max_seq_len=None):
+                    v_scale=None, max_seq_len=None, query_start_loc=None):
     torch._check(query.dim() == 3, lambda: "query must have 3 dims")
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
@@ -20,7 +20,7 @@ def _attention_fake(query, key_cache, value_cache, block_tables, seq_lens, scale
 @torch.library.register_fake("paged::attention_out")
 def _attention_out_fake(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                         alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0,
-                        k_scale=None, v_scale=None, max_seq_len=None):
+                        k_scale=None, v_scale=None, max_seq_len=None, query_start_loc=None):
     return None
 
 

@@ -91,17 +91,17 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& seq_lens, double scale,
                      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                      double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
-                     const std::optional<at::Tensor>& v_scale,
-                     std::optional<int64_t> max_seq_len) {
+                     const std::optional<at::Tensor>& v_scale, std::optional<int64_t> max_seq_len,
+                     const std::optional<at::Tensor>& query_start_loc) {
   const AttentionDims d =
       check_attention(Backend::CPU, nullptr, query, key_cache, value_cache, block_tables,
                       seq_lens, scale, alibi_slopes, sliding_window, logits_soft_cap, k_scale,
-                      v_scale, max_seq_len);
-  check_attention_indices_cpu(d, block_tables, seq_lens, max_seq_len);
+                      v_scale, max_seq_len, query_start_loc);
+  check_attention_indices_cpu(d, block_tables, seq_lens, max_seq_len, query_start_loc);
   at::Tensor out = at::empty(query.sizes(), query.options());
   attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                 alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale, std::nullopt,
-                 d);
+                 alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale,
+                 query_start_loc, d);
   return out;
 }
 
@@ -110,15 +110,16 @@ void attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                    const at::Tensor& seq_lens, double scale,
                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                    double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
-                   const std::optional<at::Tensor>& v_scale, std::optional<int64_t> max_seq_len) {
+                   const std::optional<at::Tensor>& v_scale, std::optional<int64_t> max_seq_len,
+                   const std::optional<at::Tensor>& query_start_loc) {
   const AttentionDims d =
       check_attention(Backend::CPU, &out, query, key_cache, value_cache, block_tables, seq_lens,
                       scale, alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale,
-                      max_seq_len);
-  check_attention_indices_cpu(d, block_tables, seq_lens, max_seq_len);
+                      max_seq_len, query_start_loc);
+  check_attention_indices_cpu(d, block_tables, seq_lens, max_seq_len, query_start_loc);
   attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                 alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale, std::nullopt,
-                 d);
+                 alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale,
+                 query_start_loc, d);
 }
 
 }  // namespace
