@@ -157,11 +157,14 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                      double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
                      const std::optional<at::Tensor>& v_scale,
-                     std::optional<int64_t> max_seq_len) {
+                     std::optional<int64_t> max_seq_len,
+                     const std::optional<at::Tensor>& query_start_loc) {
+  // The shared checks reject query_start_loc (several query tokens per sequence) and fp8
+  // caches for Backend::CUDA: this kernel is the decode one.
   const AttentionDims d =
       check_attention(Backend::CUDA, nullptr, query, key_cache, value_cache, block_tables,
                       seq_lens, scale, alibi_slopes, sliding_window, logits_soft_cap, k_scale,
-                      v_scale, max_seq_len);
+                      v_scale, max_seq_len, query_start_loc);
   at::Tensor out = at::empty(query.sizes(), query.options());
   attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                  sliding_window, logits_soft_cap, max_seq_len, d);
@@ -173,11 +176,12 @@ void attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                    const at::Tensor& seq_lens, double scale,
                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                    double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
-                   const std::optional<at::Tensor>& v_scale, std::optional<int64_t> max_seq_len) {
+                   const std::optional<at::Tensor>& v_scale, std::optional<int64_t> max_seq_len,
+                   const std::optional<at::Tensor>& query_start_loc) {
   const AttentionDims d =
       check_attention(Backend::CUDA, &out, query, key_cache, value_cache, block_tables, seq_lens,
                       scale, alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale,
-                      max_seq_len);
+                      max_seq_len, query_start_loc);
   attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                  sliding_window, logits_soft_cap, max_seq_len, d);
 }
