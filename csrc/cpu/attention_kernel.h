@@ -117,9 +117,10 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 // kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
 // q chunk c repeated to XW = max(x, W) lanes, so the q vector at offset j % XW lines up with
 // the K vector at j.
-template <int G_T, typename T>
+template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, int64_t XW) {
+  // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
   int64_t j = 0;
   // Two K vectors per step: 2 loads + G_T (or 2 G_T) q loads feed 2 G_T FMAs.
   for (; j + 2 * W <= chunk_elems; j += 2 * W) {
@@ -131,8 +132,9 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
       const VecF k1 = load_f32(kblk + c * chunk_elems + j + W);
       for (int g = 0; g < G_T; ++g) {
         const float* q = qrep + (g * num_chunks + c) * XW;
-        a[g] = at::vec::fmadd(k0, VecF::loadu(q + o0), a[g]);
-        b[g] = at::vec::fmadd(k1, VecF::loadu(q + o1), b[g]);
+        const VecF q0 = VecF::loadu(q + (ONE_Q ? 0 : o0));
+        a[g] = at::vec::fmadd(k0, q0, a[g]);
+        b[g] = at::vec::fmadd(k1, ONE_Q ? q0 : VecF::loadu(q + o1), b[g]);
       }
     }
     for (int g = 0; g < G_T; ++g) {
@@ -428,10 +430,20 @@ void attention_impl(const AttentionParams& P) {
         const int64_t t1_all = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
         // QK for every row, in register tiles of 4 rows.
         int64_t r = 0;
-        for (; r + 4 <= R; r += 4)
-          qk_tile<4>(kblk, S.qrep.data() + r * num_chunks * XW, S.raw.data() + r * KP, num_chunks, chunk_elems, KP, XW);
-        for (; r < R; ++r)
-          qk_tile<1>(kblk, S.qrep.data() + r * num_chunks * XW, S.raw.data() + r * KP, num_chunks, chunk_elems, KP, XW);
+        auto qk = [&](auto tile, auto one_q) {
+          constexpr int G_T = decltype(tile)::value;
+          for (; r + G_T <= R; r += G_T)
+            qk_tile<G_T, decltype(one_q)::value>(kblk, S.qrep.data() + r * num_chunks * XW,
+                                                 S.raw.data() + r * KP, num_chunks, chunk_elems,
+                                                 KP, XW);
+        };
+        if (XW == W) {
+          qk(std::integral_constant<int, 4>{}, std::true_type{});
+          qk(std::integral_constant<int, 1>{}, std::true_type{});
+        } else {
+          qk(std::integral_constant<int, 4>{}, std::false_type{});
+          qk(std::integral_constant<int, 1>{}, std::false_type{});
+        }
         // V in fp32, once for all rows; fp32 caches with every column visible are read in place.
         const float* vf;
         if (std::is_same_v<CT, float> && t0_all == 0 && t1_all == bs) {
