@@ -131,7 +131,6 @@ def bench_attention_rows(device, dtypes, shapes, heads, head_size, block_size, b
                     row.update(sdpa_us=tb * 1e6, speedup=tb / t, max_err=err)
                 rows.append(row)
                 print(fmt_row(row), flush=True)
-                del q, kc, vc, bt, sl, out
     return rows
 
 

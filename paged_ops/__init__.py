@@ -13,9 +13,10 @@ import os
 
 import torch
 
-from . import _C  # noqa: F401  (registers torch.ops.paged.*)
-from . import _fake  # noqa: F401  (fake impls for torch.compile)
-from .block_manager import BlockManager, BlockManagerStats, OutOfBlocks
+from . import (
+    _C,  # noqa: F401  (registers torch.ops.paged.*)
+    _fake,  # noqa: F401  (fake impls for torch.compile)
+)
 from ._api import (
     allocate_kv_cache,
     copy_blocks,
@@ -23,6 +24,7 @@ from ._api import (
     reshape_and_cache,
     swap_blocks,
 )
+from .block_manager import BlockManager, BlockManagerStats, OutOfBlocks
 
 __all__ = [
     "BlockManager",
