@@ -14,19 +14,54 @@ def _x(cache: torch.Tensor) -> int:
     return 16 // cache.element_size()
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-    """Return copies of the caches with token ``i`` written to slot ``slot_mapping[i]``."""
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def _scale_value(scale, name):
+    if scale is None:
+        raise ValueError(f"{name} is required for an fp8 cache")
+    return scale.detach().cpu().float().reshape(())
+
+
+def quantize(x, scale, dtype):
+    """``round(x / scale)`` in fp8 ``dtype``: fp32 division, then saturation to the format's
+    largest finite value (+-Inf too; NaN stays NaN), then round-to-nearest-even."""
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize(stored, scale):
+    """The value an fp8 cache entry stands for: ``stored * scale`` in fp32."""
+    return stored.float() * scale
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None,
+                      v_scale=None):
+    """Return copies of the caches with token ``i`` written to slot ``slot_mapping[i]``.
+
+    fp8 caches store ``quantize(key, k_scale)`` / ``quantize(value, v_scale)``.
+    """
     key_cache, value_cache = key_cache.clone(), value_cache.clone()
     block_size = value_cache.shape[3]
     x = _x(key_cache)
+    fp8 = is_fp8(key_cache.dtype)
+    if fp8:
+        ks, vs = _scale_value(k_scale, "k_scale"), _scale_value(v_scale, "v_scale")
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         b, off = divmod(slot, block_size)
         for h in range(key.shape[1]):
+            k, v = key[i, h], value[i, h]
+            if fp8:
+                k, v = quantize(k, ks, key_cache.dtype), quantize(v, vs, value_cache.dtype)
             # key_cache[b, h, d // x, off, d % x] = key[i, h, d]
-            key_cache[b, h, :, off, :] = key[i, h].reshape(-1, x)
-            value_cache[b, h, :, off] = value[i, h]
+            key_cache[b, h, :, off, :] = k.reshape(-1, x)
+            value_cache[b, h, :, off] = v
     return key_cache, value_cache
 
 
@@ -72,15 +107,39 @@ def dense_attention(q, k, v, scale, *, alibi_slopes=None, sliding_window=-1,
 
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-              sliding_window=-1, logits_soft_cap=0.0):
-    """Decode attention over the paged cache; result in the query's dtype."""
+              sliding_window=-1, logits_soft_cap=0.0, k_scale=None, v_scale=None,
+              query_start_loc=None):
+    """Attention over the paged cache; result in the query's dtype.
+
+    Decode (``query_start_loc`` None): row ``s`` of ``query`` is sequence ``s``'s query at its
+    last position. With ``query_start_loc`` (int32 ``[num_seqs + 1]``), sequence ``s`` owns the
+    rows ``[qsl[s], qsl[s+1])``, its last ``q_len`` positions: row ``j`` sits at position
+    ``P = seq_lens[s] - q_len + j`` and sees positions ``p <= P`` (window and ALiBi measured
+    from ``P``, exactly as decode measures them from ``L - 1``). fp8 caches are read as
+    ``stored * scale``.
+    """
+    kc, vc = key_cache.cpu(), value_cache.cpu()
+    fp8 = is_fp8(kc.dtype)
+    if fp8:
+        ks, vs = _scale_value(k_scale, "k_scale"), _scale_value(v_scale, "v_scale")
     out = torch.empty(query.shape, dtype=torch.float32)
-    for s in range(query.shape[0]):
+    num_seqs = query.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
+    for s in range(num_seqs):
         L = int(seq_lens[s])
-        k, v = gather_kv(key_cache.cpu(), value_cache.cpu(), block_tables[s].cpu(), L)
-        out[s] = dense_attention(query[s].cpu(), k, v, scale, alibi_slopes=alibi_slopes,
-                                 sliding_window=sliding_window,
-                                 logits_soft_cap=logits_soft_cap)
+        k, v = gather_kv(kc, vc, block_tables[s].cpu(), L)
+        if fp8:
+            k, v = dequantize(k, ks), dequantize(v, vs)
+        kw = dict(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                  logits_soft_cap=logits_soft_cap)
+        if query_start_loc is None:
+            out[s] = dense_attention(query[s].cpu(), k, v, scale, **kw)
+            continue
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_len = end - start
+        for j in range(q_len):
+            P = L - q_len + j  # this row's position: it sees positions 0..P
+            out[start + j] = dense_attention(query[start + j].cpu(), k[:P + 1], v[:P + 1], scale,
+                                             **kw)
     return out.to(dtype=query.dtype, device=query.device)
 
 

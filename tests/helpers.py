@@ -3,11 +3,10 @@ and junk in unused block-table entries, plus the dense K/V each sequence was wri
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
-
-import paged_ops
 
 TOL = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
@@ -86,3 +85,70 @@ def make_paged(seq_lens, num_kv_heads, head_size, block_size, dtype, *, device="
 def random_query(num_seqs, num_heads, head_size, dtype, *, seed=1, device="cpu", scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(num_seqs, num_heads, head_size, generator=g) * scale).to(dtype).to(device)
+
+
+# ---- fp8 caches and multi-token queries (test_fp8.py, test_multi_token.py) -------------------
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def fp8_quantize(t, scale, dtype):
+    """round(t / scale) in fp8 `dtype`, saturated to its largest finite value (the contract of
+    DESIGN.md §3, written here independently of the ops and of the reference)."""
+    fmax = torch.finfo(dtype).max
+    return (t.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def key_cache_as_dense(key_cache):
+    """[nb, H, D // x, bs, x] -> [nb, H, D, bs] (element d of a key at d // x, d % x)."""
+    nb, h, c, bs, x = key_cache.shape
+    return key_cache.permute(0, 1, 2, 4, 3).reshape(nb, h, c * x, bs)
+
+
+def dense_as_key_cache(dense, x):
+    """[nb, H, D, bs] -> a contiguous [nb, H, D // x, bs, x] key cache."""
+    nb, h, d, bs = dense.shape
+    return dense.reshape(nb, h, d // x, x, bs).permute(0, 1, 2, 4, 3).contiguous()
+
+
+@dataclass
+class PagedFp8(Paged):
+    k_scale: torch.Tensor = None  # fp32 [1]
+    v_scale: torch.Tensor = None
+
+
+def make_paged_fp8(seq_lens, num_kv_heads, head_size, block_size, dtype, *, k_scale=0.02,
+                   v_scale=0.015, seed=0, extra_blocks=5, kv_scale=1.0):
+    """Like make_paged, with fp8 caches holding the sequences quantised with the given scales
+    (unwritten slots NaN, unused block-table entries junk). keys/values are the values the
+    stored bytes stand for (stored * scale, fp32)."""
+    pg = make_paged(seq_lens, num_kv_heads, head_size, block_size, torch.float32, seed=seed,
+                    extra_blocks=extra_blocks, kv_scale=kv_scale)
+    ks = torch.tensor([k_scale], dtype=torch.float32)
+    vs = torch.tensor([v_scale], dtype=torch.float32)
+    kc = dense_as_key_cache(fp8_quantize(key_cache_as_dense(pg.key_cache), ks, dtype),
+                            cache_x(dtype))
+    vc = fp8_quantize(pg.value_cache, vs, dtype)
+    keys = [fp8_quantize(k, ks, dtype).float() * ks for k in pg.keys]
+    values = [fp8_quantize(v, vs, dtype).float() * vs for v in pg.values]
+    return PagedFp8(kc, vc, pg.block_tables, pg.seq_lens, keys, values, ks, vs)
+
+
+def query_start_loc(q_lens, device="cpu"):
+    """int32 [len(q_lens) + 1] cumulative offsets of the sequences' query rows."""
+    out = [0]
+    for n in q_lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the (loop-based, many tiny ops) reference on one intra-op thread: on a loaded
+    machine every tiny parallel op may otherwise wait for a descheduled worker thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -5,7 +5,18 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <cstring>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "checks.h"
 
@@ -16,38 +27,366 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor here, got ", t.device());
 }
 
-// Scatter one token's heads into the caches: key in chunks of x (16 bytes) into the 5D layout,
-// value transposed into [head_size, block_size]. E is an unsigned type of the element size.
+// ---------------------------------------------------------------------------------------------
+// reshape_and_cache
+//
+// The slots of a call are first cut into *runs*: maximal groups of consecutive tokens
+// i, i+1, ..., i+n-1 whose slots are s, s+1, ..., s+n-1 inside one block (a prefill chunk
+// writes runs of up to block_size tokens; decode writes runs of one token). The work items are
+// (run, kv head) pairs, parallelised in that order (consecutive items read neighbouring rows of
+// key/value). For one item, with blk = s / block_size and off = s % block_size:
+//   key:   for each x-chunk c, key_cache[blk, h, c, off..off+n, :] is contiguous (n * 16 bytes):
+//          n 16-byte copies;
+//   value: value_cache[blk, h, d, off..off+n) is contiguous for every d: the n x head_size tile
+//          is transposed in 16-byte square blocks (SSE2 where available) and written row by
+//          row, instead of head_size strided stores per token.
+// Decode items (one token) touch a separate cache line per 16 bytes of key and per value row
+// (the layout's cost); the destinations of the next items are prefetched to overlap the misses.
+// fp8 caches: the rows of a run are first quantised (x / scale, saturated to the format's largest
+// finite value, round-to-nearest-even; vectorised, with an AVX2 build picked at run time) into a
+// small per-thread byte tile, which then goes through the same byte scatter.
+
+struct Run {
+  int64_t token;  // first token of the run
+  int64_t slot;   // its slot
+  int64_t len;    // tokens (and slots) in the run
+};
+
+std::vector<Run> find_runs(const int64_t* slots, int64_t num_tokens, int64_t block_size) {
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    const int64_t s = slots[i];
+    if (s < 0) continue;  // padding
+    if (!runs.empty()) {
+      Run& r = runs.back();
+      if (r.token + r.len == i && r.slot + r.len == s && s % block_size != 0) {
+        ++r.len;
+        continue;
+      }
+    }
+    runs.push_back({i, s, 1});
+  }
+  return runs;
+}
+
+inline void prefetch_for_write(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 1, 3);
+#else
+  (void)p;
+#endif
+}
+
+// Where items go: the caches' base pointers and geometry (strides in elements).
+struct Dst {
+  char* kc;
+  char* vc;
+  int64_t kcs0, vcs0;  // block strides
+  int64_t D, bs, x;
+
+  template <typename E>
+  E* key(int64_t slot, int64_t h) const {
+    return reinterpret_cast<E*>(kc) + (slot / bs) * kcs0 + h * D * bs + (slot % bs) * x;
+  }
+  template <typename E>
+  E* value(int64_t slot, int64_t h) const {
+    return reinterpret_cast<E*>(vc) + (slot / bs) * vcs0 + h * D * bs + slot % bs;
+  }
+};
+
+// Bit reversal of m over log2(W) bits: the order in which the interleaving network of
+// transpose_block leaves the columns.
+template <int W>
+constexpr int column_of(int m) {
+  int r = 0;
+  for (int b = 1; b < W; b <<= 1) r = (r << 1) | ((m & b) ? 1 : 0);
+  return r;
+}
+
+// dst[i * ds + j] = src[j * ss + i] for a W x W block, W = 16 / sizeof(E) (one 16-byte vector
+// per row). E is an unsigned type of the element size.
 template <typename E>
-void write_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                  at::Tensor& value_cache, const int64_t* slots, const CacheWriteDims& d) {
-  const int64_t H = d.cache.num_kv_heads, D = d.cache.head_size, bs = d.cache.block_size;
-  const int64_t x = d.cache.x;
+inline void transpose_block(const E* src, int64_t ss, E* dst, int64_t ds) {
+  constexpr int W = 16 / sizeof(E);
+#if defined(__SSE2__)
+  __m128i r[W];
+  for (int j = 0; j < W; ++j) r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * ss));
+  if constexpr (sizeof(E) == 4) {
+    const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpackhi_epi32(r[0], r[1]);
+    const __m128i t2 = _mm_unpacklo_epi32(r[2], r[3]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm_unpacklo_epi64(t0, t2);
+    r[1] = _mm_unpackhi_epi64(t0, t2);
+    r[2] = _mm_unpacklo_epi64(t1, t3);
+    r[3] = _mm_unpackhi_epi64(t1, t3);
+  } else {
+    // log2(W) rounds of interleaving: after round k, vector m holds 2^(k+1) source rows
+    // interleaved in runs of the element width times 2^k.
+    __m128i t[W];
+    if constexpr (sizeof(E) == 1) {
+      for (int m = 0; m < W / 2; ++m) {
+        t[m] = _mm_unpacklo_epi8(r[2 * m], r[2 * m + 1]);
+        t[m + W / 2] = _mm_unpackhi_epi8(r[2 * m], r[2 * m + 1]);
+      }
+      for (int m = 0; m < W; ++m) r[m] = t[m];
+    }
+    for (int m = 0; m < W / 2; ++m) {
+      t[m] = _mm_unpacklo_epi16(r[2 * m], r[2 * m + 1]);
+      t[m + W / 2] = _mm_unpackhi_epi16(r[2 * m], r[2 * m + 1]);
+    }
+    for (int m = 0; m < W / 2; ++m) {
+      r[m] = _mm_unpacklo_epi32(t[2 * m], t[2 * m + 1]);
+      r[m + W / 2] = _mm_unpackhi_epi32(t[2 * m], t[2 * m + 1]);
+    }
+    for (int m = 0; m < W / 2; ++m) {
+      t[m] = _mm_unpacklo_epi64(r[2 * m], r[2 * m + 1]);
+      t[m + W / 2] = _mm_unpackhi_epi64(r[2 * m], r[2 * m + 1]);
+    }
+    for (int m = 0; m < W; ++m) r[m] = t[m];
+  }
+  // r[m] now holds one column of the block (all W source rows): column m for fp32, column
+  // column_of<W>(m) after the generic interleaving network.
+  for (int m = 0; m < W; ++m) {
+    const int col = sizeof(E) == 4 ? m : column_of<W>(m);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + col * ds), r[m]);
+  }
+#else
+  for (int i = 0; i < W; ++i)
+    for (int j = 0; j < W; ++j) dst[i * ds + j] = src[j * ss + i];
+#endif
+}
+
+// Scatter one run of n tokens of one kv head. ksrc/vsrc: token 0's row of head_size elements,
+// rows `ks`/`vs` elements apart; kd/vd: the run's first slot in the key / value cache. E is an
+// unsigned type of the cache's element size: the bits are copied (NaN payloads included).
+template <typename E>
+inline void scatter_run(const E* ksrc, int64_t ks, const E* vsrc, int64_t vs, E* kd, E* vd,
+                        int64_t n, int64_t D, int64_t bs, int64_t x) {
+  // Per kv head, key_cache is [D / x, bs, x] and value_cache [D, bs]; x * sizeof(E) == 16.
+  const int64_t chunks = D / x;
+  if (n == 1) {
+    for (int64_t c = 0; c < chunks; ++c) std::memcpy(kd + c * bs * x, ksrc + c * x, 16);
+    for (int64_t d = 0; d < D; ++d) vd[d * bs] = vsrc[d];
+    return;
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    E* dst = kd + c * bs * x;
+    const E* src = ksrc + c * x;
+    for (int64_t j = 0; j < n; ++j) std::memcpy(dst + j * x, src + j * ks, 16);
+  }
+  constexpr int64_t W = 16 / sizeof(E);  // == x; head_size is a multiple of it
+  int64_t j0 = 0;
+  for (; j0 + W <= n; j0 += W) {
+    for (int64_t d0 = 0; d0 < D; d0 += W) {
+      transpose_block<E>(vsrc + j0 * vs + d0, vs, vd + d0 * bs + j0, bs);
+    }
+  }
+  if (j0 < n) {  // the last n % W tokens
+    for (int64_t d = 0; d < D; ++d) {
+      E* row = vd + d * bs;
+      for (int64_t j = j0; j < n; ++j) row[j] = vsrc[j * vs + d];
+    }
+  }
+}
+
+// Prefetch (for writing) the destination lines of a one-token item.
+template <typename E>
+inline void prefetch_token(const E* kd, const E* vd, int64_t D, int64_t bs, int64_t x) {
+  for (int64_t c = 0; c < D / x; ++c) prefetch_for_write(kd + c * bs * x);
+  constexpr int64_t line = 64 / sizeof(E);
+  const int64_t step = bs >= line ? 1 : line / bs;  // value rows per cache line
+  for (int64_t d = 0; d < D; d += step) prefetch_for_write(vd + d * bs);
+}
+
+// Items per parallel chunk: at least ~16K elements of key + value.
+int64_t item_grain(const std::vector<Run>& runs, int64_t D) {
+  int64_t tokens = 0;
+  for (const Run& r : runs) tokens += r.len;
+  const int64_t per_item = std::max<int64_t>(1, tokens / static_cast<int64_t>(runs.size())) * D;
+  return std::max<int64_t>(1, 16384 / per_item);
+}
+
+constexpr int64_t kPrefetchAhead = 2;  // items
+
+template <typename E>
+void write_plain(const at::Tensor& key, const at::Tensor& value, const Dst& g,
+                 const std::vector<Run>& runs, int64_t H) {
   const E* k = static_cast<const E*>(key.data_ptr());
   const E* v = static_cast<const E*>(value.data_ptr());
-  E* kc = static_cast<E*>(key_cache.data_ptr());
-  E* vc = static_cast<E*>(value_cache.data_ptr());
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
   const int64_t vs0 = value.stride(0), vs1 = value.stride(1);
-  const int64_t kcs0 = key_cache.stride(0), vcs0 = value_cache.stride(0);
-  at::parallel_for(0, d.num_tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t slot = slots[i];
-      if (slot < 0) continue;  // padding
-      const int64_t blk = slot / bs, off = slot % bs;
-      for (int64_t h = 0; h < H; ++h) {
-        const E* ks = k + i * ks0 + h * ks1;
-        E* kd = kc + blk * kcs0 + h * D * bs + off * x;
-        for (int64_t c = 0; c < D / x; ++c) {
-          std::memcpy(kd + c * bs * x, ks + c * x, x * sizeof(E));
+  const int64_t items = static_cast<int64_t>(runs.size()) * H;
+  at::parallel_for(0, items, item_grain(runs, g.D), [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const Run& r = runs[w / H];
+      const int64_t h = w % H;
+      if (w + kPrefetchAhead < end) {
+        const Run& rn = runs[(w + kPrefetchAhead) / H];
+        const int64_t hn = (w + kPrefetchAhead) % H;
+        if (rn.len == 1) prefetch_token(g.key<E>(rn.slot, hn), g.value<E>(rn.slot, hn), g.D, g.bs, g.x);
+      }
+      scatter_run<E>(k + r.token * ks0 + h * ks1, ks0, v + r.token * vs0 + h * vs1, vs0,
+                     g.key<E>(r.slot, h), g.value<E>(r.slot, h), r.len, g.D, g.bs, g.x);
+    }
+  });
+}
+
+// ---- fp8 quantisation: round(x / scale), saturated to +-max, round-to-nearest-even ----------
+
+inline float bits_to_float(uint32_t b) { return std::bit_cast<float>(b); }
+inline uint32_t float_to_bits(float f) { return std::bit_cast<uint32_t>(f); }
+// Branch-free selects (all-ones / all-zeros masks), so that the loops below vectorise even
+// though the compiler keeps IEEE trapping semantics.
+inline uint32_t mask_if(bool c) { return 0u - static_cast<uint32_t>(c); }
+inline uint32_t select(uint32_t m, uint32_t a, uint32_t b) { return (a & m) | (b & ~m); }
+
+inline float load_float(float v) { return v; }
+inline float load_float(c10::BFloat16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
+// IEEE half -> float (the branch-free formulation of c10's fp16_ieee_to_fp32_value).
+inline float load_float(c10::Half v) {
+  const uint32_t w = static_cast<uint32_t>(v.x) << 16;
+  const uint32_t sign = w & UINT32_C(0x80000000);
+  const uint32_t two_w = w + w;
+  const float normalized =
+      bits_to_float((two_w >> 4) + (UINT32_C(0xE0) << 23)) * bits_to_float(UINT32_C(0x7800000));
+  const float denormalized = bits_to_float((two_w >> 17) | (UINT32_C(126) << 23)) - 0.5f;
+  const uint32_t bits = select(mask_if(two_w < (UINT32_C(1) << 27)), float_to_bits(denormalized),
+                               float_to_bits(normalized));
+  return bits_to_float(sign | bits);
+}
+
+struct E4M3 {  // torch.float8_e4m3fn: bias 7, 3 mantissa bits, max 448, no infinities
+  static constexpr float kMax = 448.0f;
+  static constexpr uint32_t kMinNormal = UINT32_C(121) << 23;    // 2^-6
+  static constexpr uint32_t kDenormMagic = UINT32_C(141) << 23;  // 2^14: 2^-9 at the unit bit
+  static constexpr uint32_t kBiasAdjust = static_cast<uint32_t>(7 - 127) << 23;
+  static constexpr int kShift = 20;  // 23 - 3 mantissa bits
+};
+struct E5M2 {  // torch.float8_e5m2: bias 15, 2 mantissa bits, max 57344
+  static constexpr float kMax = 57344.0f;
+  static constexpr uint32_t kMinNormal = UINT32_C(113) << 23;    // 2^-14
+  static constexpr uint32_t kDenormMagic = UINT32_C(134) << 23;  // 2^7: 2^-16 at the unit bit
+  static constexpr uint32_t kBiasAdjust = static_cast<uint32_t>(15 - 127) << 23;
+  static constexpr int kShift = 21;  // 23 - 2 mantissa bits
+};
+
+// The bits of fp8 format F nearest to f (ties to even), saturated to +-F::kMax (also for
+// +-Inf); NaN stays NaN. For |f| <= kMax this is exactly c10's conversion (the same rounding
+// arithmetic), so the kernel and torch's `.to(float8)` after a clamp agree bit for bit.
+template <typename F>
+inline uint8_t fp8_bits(float f) {
+  uint32_t b = float_to_bits(f);
+  const uint32_t sign = b & UINT32_C(0x80000000);
+  b ^= sign;  // |f|; below 2^31, so signed compares (one instruction on x86) are exact
+  constexpr int32_t kInfBits = 0x7F800000;
+  constexpr uint32_t kMaxBits = std::bit_cast<uint32_t>(F::kMax);
+  const uint32_t nan = mask_if(static_cast<int32_t>(b) > kInfBits);
+  b = std::min(b, kMaxBits);  // saturate (+-Inf included); NaN is restored below
+  // Below the smallest normal: adding the magic number leaves the subnormal mantissa, rounded
+  // to nearest even by the FPU, in the low bits.
+  const uint32_t sub =
+      float_to_bits(bits_to_float(b) + bits_to_float(F::kDenormMagic)) - F::kDenormMagic;
+  // Normal: rebias the exponent and round the mantissa to nearest even.
+  const uint32_t odd = (b >> F::kShift) & 1u;
+  const uint32_t nrm =
+      (b + (F::kBiasAdjust + ((UINT32_C(1) << (F::kShift - 1)) - 1)) + odd) >> F::kShift;
+  uint32_t r = select(mask_if(static_cast<int32_t>(b) < static_cast<int32_t>(F::kMinNormal)),
+                      sub, nrm);
+  // NaN: b was clamped to the max (0x7E / 0x7B), so or-ing 0x7F gives the format's NaN.
+  r |= nan & UINT32_C(0x7F);
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+// Quantise `rows` rows of `n` elements (row stride `ss` elements) into dst (rows of n bytes).
+template <typename F, typename In>
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((always_inline))
+#endif
+inline void quantize_body(const In* __restrict src, int64_t ss, int64_t rows, int64_t n,
+                          uint8_t* __restrict dst, float scale) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const In* s = src + j * ss;
+    uint8_t* o = dst + j * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = fp8_bits<F>(load_float(s[i]) / scale);
+  }
+}
+
+using QuantizeFn = void (*)(const void*, int64_t, int64_t, int64_t, uint8_t*, float);
+
+template <typename F, typename In>
+void quantize_default(const void* src, int64_t ss, int64_t rows, int64_t n, uint8_t* dst,
+                      float scale) {
+  quantize_body<F, In>(static_cast<const In*>(src), ss, rows, n, dst, scale);
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(_M_X64))
+#define PAGED_OPS_AVX2_QUANTIZE 1
+// The same loop compiled for AVX2 (8 lanes instead of SSE2's 4), chosen at run time.
+template <typename F, typename In>
+__attribute__((target("avx2"))) void quantize_avx2(const void* src, int64_t ss, int64_t rows,
+                                                   int64_t n, uint8_t* dst, float scale) {
+  quantize_body<F, In>(static_cast<const In*>(src), ss, rows, n, dst, scale);
+}
+#endif
+
+template <typename F, typename In>
+QuantizeFn pick_quantize() {
+#ifdef PAGED_OPS_AVX2_QUANTIZE
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return &quantize_avx2<F, In>;
+#endif
+  return &quantize_default<F, In>;
+}
+
+template <typename F, typename In>
+void write_fp8(const at::Tensor& key, const at::Tensor& value, const Dst& g,
+               const std::vector<Run>& runs, int64_t H, float k_scale, float v_scale) {
+  const In* k = static_cast<const In*>(key.data_ptr());
+  const In* v = static_cast<const In*>(value.data_ptr());
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
+  const int64_t vs0 = value.stride(0), vs1 = value.stride(1);
+  const int64_t D = g.D;
+  const int64_t items = static_cast<int64_t>(runs.size()) * H;
+  const QuantizeFn quantize = pick_quantize<F, In>();
+  constexpr int64_t kTile = 16;  // tokens quantised at a time (one 16 x 16 byte transpose)
+  at::parallel_for(0, items, item_grain(runs, D), [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> buf(2 * kTile * D);
+    uint8_t* kb = buf.data();
+    uint8_t* vb = kb + kTile * D;
+    for (int64_t w = begin; w < end; ++w) {
+      const Run& r = runs[w / H];
+      const int64_t h = w % H;
+      if (w + kPrefetchAhead < end) {
+        const Run& rn = runs[(w + kPrefetchAhead) / H];
+        const int64_t hn = (w + kPrefetchAhead) % H;
+        if (rn.len == 1) {
+          prefetch_token(g.key<uint8_t>(rn.slot, hn), g.value<uint8_t>(rn.slot, hn), D, g.bs, g.x);
         }
-        const E* vs = v + i * vs0 + h * vs1;
-        E* vd = vc + blk * vcs0 + h * D * bs + off;
-        for (int64_t dd = 0; dd < D; ++dd) vd[dd * bs] = vs[dd];
+      }
+      for (int64_t j0 = 0; j0 < r.len; j0 += kTile) {
+        const int64_t n = std::min(kTile, r.len - j0);
+        const int64_t t0 = r.token + j0;
+        quantize(k + t0 * ks0 + h * ks1, ks0, n, D, kb, k_scale);
+        quantize(v + t0 * vs0 + h * vs1, vs0, n, D, vb, v_scale);
+        scatter_run<uint8_t>(kb, D, vb, D, g.key<uint8_t>(r.slot + j0, h),
+                             g.value<uint8_t>(r.slot + j0, h), n, D, g.bs, g.x);
       }
     }
   });
 }
+
+template <typename F>
+void write_fp8_dispatch(const at::Tensor& key, const at::Tensor& value, const Dst& g,
+                        const std::vector<Run>& runs, int64_t H, float ks, float vs) {
+  switch (key.scalar_type()) {
+    case at::kFloat: write_fp8<F, float>(key, value, g, runs, H, ks, vs); break;
+    case at::kHalf: write_fp8<F, c10::Half>(key, value, g, runs, H, ks, vs); break;
+    case at::kBFloat16: write_fp8<F, c10::BFloat16>(key, value, g, runs, H, ks, vs); break;
+    default: TORCH_CHECK(false, "unsupported key dtype ", key.scalar_type());
+  }
+}
+
+// The per-tensor scale, read on the host (the checks put it on the CPU, with the caches).
+float host_scale(const at::Tensor& s) { return *s.const_data_ptr<float>(); }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
@@ -59,10 +398,32 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   if (d.num_tokens == 0) return;
   // Gather the slots once (slot_mapping may be strided).
   const at::Tensor slots = slot_mapping.contiguous();
-  const int64_t* sp = slots.data_ptr<int64_t>();
+  const std::vector<Run> runs =
+      find_runs(slots.const_data_ptr<int64_t>(), d.num_tokens, d.cache.block_size);
+  if (runs.empty()) return;
+  const Dst g{static_cast<char*>(key_cache.data_ptr()),
+              static_cast<char*>(value_cache.data_ptr()),
+              key_cache.stride(0),
+              value_cache.stride(0),
+              d.cache.head_size,
+              d.cache.block_size,
+              d.cache.x};
+  const int64_t H = d.cache.num_kv_heads;
+  switch (key_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      write_fp8_dispatch<E4M3>(key, value, g, runs, H, host_scale(*k_scale),
+                               host_scale(*v_scale));
+      return;
+    case at::kFloat8_e5m2:
+      write_fp8_dispatch<E5M2>(key, value, g, runs, H, host_scale(*k_scale),
+                               host_scale(*v_scale));
+      return;
+    default:
+      break;
+  }
   switch (key.element_size()) {
-    case 4: write_tokens<uint32_t>(key, value, key_cache, value_cache, sp, d); break;
-    case 2: write_tokens<uint16_t>(key, value, key_cache, value_cache, sp, d); break;
+    case 4: write_plain<uint32_t>(key, value, g, runs, H); break;
+    case 2: write_plain<uint16_t>(key, value, g, runs, H); break;
     default: TORCH_CHECK(false, "unsupported key element size ", key.element_size());
   }
 }

@@ -1,0 +1,451 @@
+"""fp8 KV caches (torch.float8_e4m3fn / torch.float8_e5m2) on the CPU.
+
+reshape_and_cache stores round(x / scale) saturated to the format's largest finite value
+(round-to-nearest-even); attention reads stored * scale. Checked against the reference bit for
+bit (cache writes) or on the same stored bytes (attention), plus the format's error bounds,
+saturation, the scale checks and the block copies.
+"""
+
+import pytest
+import torch
+from helpers import (
+    FP8_DTYPES,
+    TOL,
+    cache_x,
+    fp8_quantize,
+    make_paged_fp8,
+    one_thread,
+    random_query,
+)
+
+import paged_ops
+from paged_ops import reference as ref
+
+IN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Half the spacing of the format's significands, relative: 2^-(mantissa bits + 1).
+HALF_ULP = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3}
+# Spacing of the subnormals (the absolute error floor, times the scale).
+SUBNORMAL = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}
+
+
+def nan_fp8_caches(num_blocks, num_kv_heads, head_size, block_size, dtype):
+    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype)
+    kc.view(torch.uint8).fill_(0x7F)  # NaN in both formats
+    vc.view(torch.uint8).fill_(0x7F)
+    return kc, vc
+
+
+def scales(k=0.05, v=0.03):
+    return torch.tensor([k]), torch.tensor([v])
+
+
+def assert_same_bytes(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    diff = a.view(torch.uint8) != b.view(torch.uint8)
+    assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def write_both(k, v, kc, vc, slots, ks, vs):
+    """The op and the reference on the same inputs; returns (op caches, reference caches)."""
+    want_k, want_v = ref.reshape_and_cache(k, v, kc, vc, slots, ks, vs)
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+    return (kc, vc), (want_k, want_v)
+
+
+# ---- reshape_and_cache ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
+@pytest.mark.parametrize("head_size,block_size", [(64, 1), (128, 16), (80, 32), (256, 8)])
+def test_reshape_and_cache_matches_reference_bitwise(cache_dtype, in_dtype, head_size,
+                                                     block_size):
+    g = torch.Generator().manual_seed(head_size * 7 + block_size)
+    num_blocks, H = 10, 2
+    # A prefill run that fills blocks in order (several consecutive slots), then scattered
+    # decode-like tokens and a padding token.
+    b0, b1 = 7, 2
+    run = [b0 * block_size + i for i in range(block_size)] + [b1 * block_size]
+    rest = torch.randperm(num_blocks * block_size, generator=g).tolist()
+    rest = [s for s in rest if s not in run][:6]
+    slots = torch.tensor(run + [-1] + rest)
+    n = slots.numel()
+    k = (torch.randn(n, H, head_size, generator=g) * 3).to(in_dtype)
+    v = (torch.randn(n, H, head_size, generator=g) * 2).to(in_dtype)
+    kc, vc = nan_fp8_caches(num_blocks, H, head_size, block_size, cache_dtype)
+    ks, vs = scales()
+    (kc, vc), (want_k, want_v) = write_both(k, v, kc, vc, slots, ks, vs)
+    assert_same_bytes(kc, want_k)
+    assert_same_bytes(vc, want_v)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
+def test_every_16_bit_input_and_specials_bitwise(cache_dtype, in_dtype):
+    # Every bf16 / fp16 bit pattern (and, for fp32, random magnitudes over the whole range,
+    # random bit patterns and the specials) through the op and the reference: subnormals of
+    # the format, exact ties, saturation and NaN.
+    if in_dtype == torch.float32:
+        g = torch.Generator().manual_seed(3)
+        x = torch.cat([
+            torch.randn(8192, generator=g) * 10 ** torch.empty(8192).uniform_(-9, 7,
+                                                                               generator=g),
+            torch.randint(-2**31, 2**31 - 1, (8192,), dtype=torch.int32, generator=g)
+            .view(torch.float32),
+            torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, 3e38]),
+        ])
+    else:
+        x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype)
+    D = 128
+    x = torch.cat([x, torch.zeros((-x.numel()) % D, dtype=x.dtype)]).reshape(-1, 1, D)
+    n = x.shape[0]
+    for scale in (1.0, 0.0371, 2.5e-3, 700.0):
+        s = torch.tensor([scale])
+        kc, vc = nan_fp8_caches(n, 1, D, 1, cache_dtype)
+        slots = torch.randperm(n)
+        (kc, vc), (want_k, want_v) = write_both(x, x.flip(0), kc, vc, slots, s, s)
+        for got, want in ((kc, want_k), (vc, want_v)):
+            nan = want.float().isnan()
+            assert torch.equal(got.float().isnan(), nan)
+            diff = (got.view(torch.uint8) != want.view(torch.uint8)) & ~nan
+            assert not diff.any(), (scale, int(diff.sum()))
+            assert got.float()[~nan].isfinite().all()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
+def test_round_trip_error_bound(cache_dtype, in_dtype):
+    g = torch.Generator().manual_seed(5)
+    H, D, bs, n = 2, 64, 16, 40
+    scale = 0.01
+    fmax = torch.finfo(cache_dtype).max
+    # Magnitudes spread over the format's whole range (subnormals to near max), times scale.
+    mag = 2.0 ** torch.empty(n, H, D).uniform_(-12, 8.7, generator=g)
+    sign = torch.randint(0, 2, (n, H, D), generator=g) * 2 - 1
+    x = (mag * sign * scale).clamp(-fmax * scale, fmax * scale).to(in_dtype)
+    kc, vc = nan_fp8_caches(n // bs + 1, H, D, bs, cache_dtype)
+    s = torch.tensor([scale])
+    paged_ops.reshape_and_cache(x, x, kc, vc, torch.arange(n), k_scale=s, v_scale=s)
+    stored = vc[: (n + bs - 1) // bs].permute(0, 3, 1, 2).reshape(-1, H, D)[:n]
+    back = stored.float() * scale
+    xf = x.float()
+    err = (back - xf).abs()
+    bound = HALF_ULP[cache_dtype] * xf.abs() * (1 + 1e-6) + SUBNORMAL[cache_dtype] / 2 * scale
+    assert (err <= bound).all(), float((err - bound).max())
+    # The key cache holds the same bytes in its layout.
+    kstored = kc[: (n + bs - 1) // bs].permute(0, 3, 1, 2, 4).reshape(-1, H, D)[:n]
+    assert_same_bytes(kstored, stored)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
+def test_saturation_never_nan_or_inf(cache_dtype, in_dtype):
+    H, D, bs = 1, 32, 4
+    fmax = torch.finfo(cache_dtype).max
+    scale = 0.5
+    big = min(fmax * scale * 1000, torch.finfo(in_dtype).max)
+    vals = torch.tensor([big, -big, fmax * scale * 1.06, -fmax * scale * 1.06,
+                         float("inf"), -float("inf"), fmax * scale, 1.0])
+    x = vals.repeat(D // vals.numel()).reshape(1, 1, D).to(in_dtype)
+    kc, vc = nan_fp8_caches(2, H, D, bs, cache_dtype)
+    s = torch.tensor([scale])
+    paged_ops.reshape_and_cache(x, x, kc, vc, torch.tensor([5]), k_scale=s, v_scale=s)
+    got = vc[1, 0, :, 1].float()
+    assert got.isfinite().all()
+    want = vals.repeat(D // vals.numel())
+    want[want.abs() > fmax * scale] = want[want.abs() > fmax * scale].sign() * fmax * scale
+    want = (want.to(in_dtype).float() / scale).clamp(-fmax, fmax)
+    torch.testing.assert_close(got[[0, 1, 2, 3, 4, 5, 6]], want[[0, 1, 2, 3, 4, 5, 6]],
+                               atol=0, rtol=0)
+    assert (kc[1, 0, :, 1, :].float().abs() == fmax).sum() == 7 * (D // 8)
+
+
+def test_nan_input_stays_nan_and_touches_nothing_else():
+    kc, vc = nan_fp8_caches(2, 1, 16, 4, torch.float8_e4m3fn)
+    kc.view(torch.uint8).zero_()
+    vc.view(torch.uint8).zero_()
+    x = torch.ones(1, 1, 16)
+    x[0, 0, 3] = float("nan")
+    s = torch.tensor([1.0])
+    paged_ops.reshape_and_cache(x, x, kc, vc, torch.tensor([6]), k_scale=s, v_scale=s)
+    assert vc[1, 0, 3, 2].float().isnan()
+    assert (vc[1, 0, :, 2].float().isnan().sum()) == 1
+    assert (vc.float().nan_to_num(0) != 0).sum() == 15
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_reshape_strided_inputs_padding_rows_and_pool_view(cache_dtype):
+    H, D, bs, nb, layers = 2, 64, 16, 6, 3
+    qkv = torch.randn(12, 8 + 2 * H, D, dtype=torch.bfloat16)
+    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]  # strided along tokens, 12 rows for 9 slots
+    assert not k.is_contiguous()
+    x = cache_x(cache_dtype)
+    kpool = torch.zeros((nb, layers, H, D // x, bs, x), dtype=torch.uint8)
+    vpool = torch.zeros((nb, layers, H, D, bs), dtype=torch.uint8)
+    kc, vc = kpool[:, 1].view(cache_dtype), vpool[:, 1].view(cache_dtype)
+    assert not kc.is_contiguous()
+    slots = torch.tensor([32, 33, 34, 35, -1, 3, 95, 64, 65])
+    ks, vs = scales(0.04, 0.02)
+    want_k, want_v = ref.reshape_and_cache(k[:9], v[:9], kc, vc, slots, ks, vs)
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+    assert_same_bytes(kc, want_k)
+    assert_same_bytes(vc, want_v)
+    assert (kpool[:, [0, 2]] == 0).all() and (vpool[:, [0, 2]] == 0).all()
+
+
+def test_scale_tensor_may_be_a_view():
+    # A one-element view of a larger scale table (storage offset, any stride).
+    table = torch.tensor([9.0, 0.05, 9.0, 0.03])
+    kc, vc = nan_fp8_caches(2, 1, 16, 4, torch.float8_e5m2)
+    x = torch.randn(3, 1, 16)
+    slots = torch.tensor([0, 5, 6])
+    want_k, want_v = ref.reshape_and_cache(x, x, kc, vc, slots, table[1:2], table[3:])
+    paged_ops.reshape_and_cache(x, x, kc, vc, slots, k_scale=table[1:2], v_scale=table[3:])
+    assert_same_bytes(kc, want_k)
+    assert_same_bytes(vc, want_v)
+
+
+def test_non_fp8_caches_ignore_scales():
+    kc, vc = paged_ops.allocate_kv_cache(2, 1, 16, 4, torch.float32)
+    kc.fill_(float("nan"))
+    vc.fill_(float("nan"))
+    x = torch.randn(2, 1, 16)
+    slots = torch.tensor([1, 6])
+    want_k, want_v = ref.reshape_and_cache(x, x, kc, vc, slots)
+    paged_ops.reshape_and_cache(x, x, kc, vc, slots, k_scale=torch.tensor([0.5]),
+                                v_scale=torch.tensor([0.5]))
+    assert_same_bytes(kc, want_k)
+    assert_same_bytes(vc, want_v)
+
+
+# ---- scale checks -----------------------------------------------------------------------------
+
+BAD_SCALES = {
+    "k_scale missing": (dict(k_scale=None), "k_scale"),
+    "v_scale missing": (dict(v_scale=None), "v_scale"),
+    "k_scale float64": (dict(k_scale=torch.tensor([0.5], dtype=torch.float64)), "k_scale"),
+    "v_scale float16": (dict(v_scale=torch.tensor([0.5], dtype=torch.float16)), "v_scale"),
+    "k_scale two elements": (dict(k_scale=torch.tensor([0.5, 0.5])), "k_scale"),
+    "v_scale empty": (dict(v_scale=torch.empty(0)), "v_scale"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCALES))
+def test_reshape_and_cache_bad_scales(case):
+    over, name = BAD_SCALES[case]
+    kc, vc = nan_fp8_caches(2, 1, 16, 4, torch.float8_e4m3fn)
+    kc0, vc0 = kc.clone(), vc.clone()
+    kw = dict(k_scale=torch.tensor([0.5]), v_scale=torch.tensor([0.5]))
+    kw.update(over)
+    with pytest.raises(RuntimeError, match=name):
+        paged_ops.reshape_and_cache(torch.randn(2, 1, 16), torch.randn(2, 1, 16), kc, vc,
+                                    torch.tensor([0, 5]), **kw)
+    assert_same_bytes(kc, kc0)
+    assert_same_bytes(vc, vc0)
+
+
+@pytest.mark.parametrize("case", list(BAD_SCALES))
+def test_attention_bad_scales(case):
+    over, name = BAD_SCALES[case]
+    pg = make_paged_fp8([5, 20], 2, 64, 16, torch.float8_e5m2)
+    kw = dict(k_scale=pg.k_scale, v_scale=pg.v_scale)
+    kw.update(over)
+    q = random_query(2, 4, 64, torch.float32)
+    with pytest.raises(RuntimeError, match=name):
+        paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                                  **kw)
+
+
+# ---- attention over fp8 caches ----------------------------------------------------------------
+
+
+@pytest.fixture(params=paged_ops.supported_cpu_kernel_variants())
+def cpu_variant(request):
+    """Run the test on each CPU attention kernel build this CPU supports (e.g. avx2, default)."""
+    before = paged_ops.cpu_kernel_variant()
+    paged_ops.set_cpu_kernel_variant(request.param)
+    yield request.param
+    paged_ops.set_cpu_kernel_variant(before)
+
+
+FP8_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float16: TOL[torch.float16],
+    torch.bfloat16: TOL[torch.bfloat16],
+}
+
+
+def check_attention(pg, q, **kw):
+    scale = kw.pop("scale", q.shape[-1] ** -0.5)
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale, k_scale=pg.k_scale, v_scale=pg.v_scale,
+                                    **kw)
+    with one_thread():
+        want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                             scale, kw.get("alibi_slopes"), kw.get("sliding_window", -1),
+                             kw.get("logits_soft_cap", 0.0), pg.k_scale, pg.v_scale,
+                             kw.get("query_start_loc"))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not out.isnan().any(), "NaN from unwritten slots leaked into the output"
+    torch.testing.assert_close(out.float(), want.float(), **FP8_TOL[q.dtype])
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("q_dtype", IN_DTYPES)
+@pytest.mark.parametrize("heads,block_size", [((8, 2), 16), ((4, 4), 1), ((8, 1), 32)])
+@pytest.mark.usefixtures("cpu_variant")
+def test_attention_matches_reference(cache_dtype, q_dtype, heads, block_size):
+    num_heads, num_kv_heads = heads
+    lens = [1, 15, 16, 17, 70]
+    pg = make_paged_fp8(lens, num_kv_heads, 64, block_size, cache_dtype, seed=block_size)
+    q = random_query(len(lens), num_heads, 64, q_dtype, scale=2.0)
+    check_attention(pg, q)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.usefixtures("cpu_variant")
+def test_attention_options_and_zero_length(cache_dtype):
+    lens = [0, 9, 40, 100]
+    pg = make_paged_fp8(lens, 2, 128, 16, cache_dtype, k_scale=0.05, v_scale=0.01, seed=4)
+    q = random_query(len(lens), 8, 128, torch.float32, scale=2.0)
+    slopes = torch.tensor([2.0 ** (-(i + 1)) for i in range(8)])
+    out = check_attention(pg, q, sliding_window=20)
+    assert (out[0] == 0).all()
+    check_attention(pg, q, alibi_slopes=slopes, logits_soft_cap=5.0, sliding_window=33)
+    check_attention(pg, q, scale=0.3, max_seq_len=100)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.usefixtures("cpu_variant")
+def test_attention_equals_dense_sdpa_of_the_dequantised_tokens(cache_dtype):
+    # Independent of the reference: SDPA over stored * scale.
+    lens = [3, 33, 64]
+    pg = make_paged_fp8(lens, 2, 64, 16, cache_dtype, seed=8)
+    q = random_query(len(lens), 8, 64, torch.float32)
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, k_scale=pg.k_scale, v_scale=pg.v_scale)
+    for s in range(len(lens)):
+        k = pg.keys[s].repeat_interleave(4, dim=1).transpose(0, 1)
+        v = pg.values[s].repeat_interleave(4, dim=1).transpose(0, 1)
+        want = torch.nn.functional.scaled_dot_product_attention(q[s].unsqueeze(1), k, v)
+        torch.testing.assert_close(out[s], want.squeeze(1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.usefixtures("cpu_variant")
+def test_write_then_attend_end_to_end(cache_dtype):
+    # reshape_and_cache into an fp8 cache, then attention, against fp32 attention over the
+    # original keys/values: the gap is the quantisation error only.
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, D, bs, L = 8, 2, 64, 16, 45
+    k = torch.randn(L, Hkv, D, generator=g)
+    v = torch.randn(L, Hkv, D, generator=g)
+    nb = 8
+    kc, vc = nan_fp8_caches(nb, Hkv, D, bs, cache_dtype)
+    blocks = [5, 1, 6]
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(L)])
+    ks, vs = torch.tensor([4.0 / 448]), torch.tensor([4.0 / 448])
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+    bt = torch.tensor([blocks + [0]], dtype=torch.int32)
+    sl = torch.tensor([L], dtype=torch.int32)
+    q = torch.randn(1, H, D, generator=g)
+    out = paged_ops.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
+    with one_thread():
+        want = ref.attention(q, kc, vc, bt, sl, D**-0.5, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1),
+        v.repeat_interleave(4, 1).transpose(0, 1)).transpose(0, 1)
+    tol = 0.1 if cache_dtype == torch.float8_e4m3fn else 0.2
+    assert (out - exact).abs().max() < tol
+
+
+@pytest.mark.usefixtures("cpu_variant")
+def test_attention_out_and_fp8_cache_is_not_modified():
+    pg = make_paged_fp8([7, 30], 2, 64, 16, torch.float8_e4m3fn)
+    kc0, vc0 = pg.key_cache.clone(), pg.value_cache.clone()
+    q = random_query(2, 4, 64, torch.bfloat16)
+    out = torch.empty_like(q)
+    res = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, k_scale=pg.k_scale, v_scale=pg.v_scale,
+                                    out=out)
+    assert res is out
+    want = check_attention(pg, q)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    assert_same_bytes(pg.key_cache, kc0)
+    assert_same_bytes(pg.value_cache, vc0)
+
+
+# ---- copy_blocks / swap_blocks on fp8 caches --------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_copy_blocks_fp8(cache_dtype):
+    g = torch.Generator().manual_seed(2)
+    kcs, vcs = [], []
+    for _ in range(2):
+        kc, vc = paged_ops.allocate_kv_cache(8, 2, 32, 8, cache_dtype)
+        kc.view(torch.uint8).copy_(torch.randint(0, 256, kc.shape, dtype=torch.uint8,
+                                                 generator=g))
+        vc.view(torch.uint8).copy_(torch.randint(0, 256, vc.shape, dtype=torch.uint8,
+                                                 generator=g))
+        kcs.append(kc)
+        vcs.append(vc)
+    mapping = torch.tensor([[0, 5], [3, 7], [6, 1]])
+    want_k, want_v = ref.copy_blocks(kcs, vcs, mapping)
+    paged_ops.copy_blocks(kcs, vcs, mapping)
+    for a, b in zip(kcs + vcs, want_k + want_v):
+        assert_same_bytes(a, b)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_swap_blocks_fp8_round_trip(cache_dtype):
+    pg = make_paged_fp8([20, 9], 2, 64, 16, cache_dtype)
+    host = torch.zeros((4,) + pg.key_cache.shape[1:], dtype=cache_dtype)
+    used = pg.block_tables[0, :2].tolist()
+    out_map = torch.tensor([[used[0], 2], [used[1], 0]])
+    want = ref.swap_blocks(pg.key_cache, host, out_map)
+    paged_ops.swap_blocks(pg.key_cache, host, out_map)
+    assert_same_bytes(host, want)
+    back = torch.zeros_like(pg.key_cache)
+    paged_ops.swap_blocks(host, back, [(2, used[0]), (0, used[1])])
+    for b in used:
+        assert_same_bytes(back[b], pg.key_cache[b])
+
+
+# ---- opcheck ------------------------------------------------------------------------------------
+
+# test_schema is left out: its mutation check (SchemaCheckMode's bitwise_equal, run on every
+# tensor argument) has no fp8 kernel in torch ("mul_cpu_reduced_float" not implemented for
+# Float8); the schemas themselves are checked by test_compile.py on float caches.
+OPCHECK_UTILS_FP8 = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_opcheck_reshape_and_cache_fp8(cache_dtype):
+    kc, vc = paged_ops.allocate_kv_cache(4, 2, 64, 16, cache_dtype)
+    kc.view(torch.uint8).zero_()
+    vc.view(torch.uint8).zero_()
+    ks, vs = scales()
+    args = (torch.randn(5, 2, 64), torch.randn(5, 2, 64), kc, vc,
+            torch.tensor([3, 4, -1, 40, 63]), ks, vs)
+    torch.library.opcheck(torch.ops.paged.reshape_and_cache.default, args,
+                          test_utils=OPCHECK_UTILS_FP8)
+
+
+def test_opcheck_attention_fp8():
+    pg = make_paged_fp8([1, 17, 40], 2, 64, 16, torch.float8_e4m3fn)
+    q = random_query(3, 8, 64, torch.bfloat16)
+    args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
+    torch.library.opcheck(torch.ops.paged.attention.default, args,
+                          dict(k_scale=pg.k_scale, v_scale=pg.v_scale),
+                          test_utils=OPCHECK_UTILS_FP8)
+
+
+def test_quantize_helpers_agree_with_reference():
+    # The test helpers and the reference state the same contract independently.
+    x = torch.randn(1000) * 300
+    for dt in FP8_DTYPES:
+        s = torch.tensor([0.7])
+        assert_same_bytes(fp8_quantize(x, s, dt), ref.quantize(x, s.reshape(()), dt))
