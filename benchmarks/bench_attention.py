@@ -22,7 +22,9 @@ import torch
 
 import paged_ops
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp8": torch.float8_e4m3fn}  # fp8: e4m3 cache, bf16 queries, per-tensor scales
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Peak HBM bandwidth (GB/s) by device name, for the % of peak column on CUDA.
 GPU_PEAK_GBS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100": 3350.0, "A100": 2039.0,
                 "L40S": 864.0, "A10": 600.0}
@@ -88,17 +90,26 @@ def make_case(batch, ctx, num_heads, num_kv_heads, head_size, block_size, dtype,
     perm = torch.randperm(num_blocks, generator=g)[: batch * blocks_per_seq]
     bt = perm.view(batch, blocks_per_seq).to(torch.int32).to(device)  # scattered blocks
     sl = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    q = torch.randn(batch, num_heads, head_size, generator=g).to(dtype).to(device)
+    qdtype = torch.bfloat16 if dtype in FP8 else dtype
+    q = torch.randn(batch, num_heads, head_size, generator=g).to(qdtype).to(device)
     return q, kc, vc, bt, sl
+
+
+def kv_scales(kc):
+    """One-element fp32 scales for fp8 caches (None otherwise)."""
+    if kc.dtype not in FP8:
+        return None, None
+    one = torch.ones(1, dtype=torch.float32, device=kc.device)
+    return one, one.clone()
 
 
 def gather_sdpa(q, kc, vc, bt, sl, ctx):
     # The baseline a user without a paged kernel would write: gather, then dense attention.
     B, H, D = q.shape
     Hkv, bs = vc.shape[1], vc.shape[3]
-    k = kc[bt.long()]  # [B, nb, Hkv, D/x, bs, x]
+    k = kc[bt.long()].to(q.dtype)  # [B, nb, Hkv, D/x, bs, x]
     k = k.permute(0, 2, 1, 4, 3, 5).reshape(B, Hkv, -1, D)[:, :, :ctx]
-    v = vc[bt.long()].permute(0, 2, 1, 4, 3).reshape(B, Hkv, -1, D)[:, :, :ctx]
+    v = vc[bt.long()].to(q.dtype).permute(0, 2, 1, 4, 3).reshape(B, Hkv, -1, D)[:, :, :ctx]
     del bs
     return torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, enable_gqa=H != Hkv).squeeze(2)
@@ -113,10 +124,11 @@ def bench_attention_rows(device, dtypes, shapes, heads, head_size, block_size, b
                 q, kc, vc, bt, sl = make_case(batch, ctx, num_heads, num_kv_heads, head_size,
                                               block_size, dtype, device)
                 out = torch.empty_like(q)
+                ks, vs = kv_scales(kc)
 
-                def run(q=q, kc=kc, vc=vc, bt=bt, sl=sl, out=out, ctx=ctx):
+                def run(q=q, kc=kc, vc=vc, bt=bt, sl=sl, out=out, ctx=ctx, ks=ks, vs=vs):
                     torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, head_size**-0.5,
-                                                  None, -1, 0.0, None, None, ctx)
+                                                  None, -1, 0.0, ks, vs, ctx)
 
                 t = timeit(run, device)
                 nbytes = 2 * batch * ctx * num_kv_heads * head_size * kc.element_size()
@@ -196,7 +208,7 @@ def plot(rows, bw, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtypes", default=None, help="comma list of fp32,fp16,bf16")
+    p.add_argument("--dtypes", default=None, help="comma list of fp32,fp16,bf16,fp8")
     p.add_argument("--no-baseline", action="store_true", help="skip gather+SDPA")
     p.add_argument("--csv", default=None)
     p.add_argument("--plot", default=None)
@@ -211,7 +223,7 @@ def main(argv=None):
     print(f"read bandwidth: {bw:.1f} GB/s ({how})")
     rows = []
     if device == "cpu":
-        dtypes = (a.dtypes or "fp32,fp16,bf16").split(",")
+        dtypes = (a.dtypes or "fp32,fp16,bf16,fp8").split(",")
         shapes = [(8, 2048), (32, 512), (1, 16384)]
         if a.quick:
             shapes = shapes[:1]
@@ -222,7 +234,7 @@ def main(argv=None):
                                      16, bw, False)
         bw_copy = copy_bandwidth_gbs(device)
         print(f"copy bandwidth (read + write): {bw_copy:.1f} GB/s")
-        rows += bench_cache_write_rows(device, dtypes, bw_copy)
+        rows += bench_cache_write_rows(device, [d for d in dtypes if d != "fp8"], bw_copy)
     else:
         dtypes = (a.dtypes or "bf16").split(",")
         shapes = [(b, c) for b in (1, 8, 64) for c in (1024, 4096, 16384)]
