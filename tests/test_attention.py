@@ -177,3 +177,24 @@ def test_deterministic_and_input_unchanged():
     assert torch.equal(a, b)
     torch.testing.assert_close(pg.key_cache, kc, equal_nan=True, atol=0, rtol=0)
     torch.testing.assert_close(pg.value_cache, vc, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_every_finite_code_decodes_exactly(fp8):
+    # One visible position: the output is exactly v * v_scale, so every finite fp8 code placed
+    # in V must come back as its exact value (the vectorised decoders vs torch's conversion).
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8)
+    finite = codes[codes.float().isfinite()]
+    D = 256
+    v_vals = torch.cat([finite, finite[: D - finite.numel()]])
+    kc, vc = paged_ops.allocate_kv_cache(2, 1, D, 16, fp8)
+    kc.view(torch.uint8).fill_(0x7F)  # NaN / junk in every other slot
+    vc.view(torch.uint8).fill_(0x7F)
+    kc.view(torch.uint8)[1, 0, :, 0, :] = 0x30  # a finite key at position 0 of block 1
+    vc[1, 0, :, 0] = v_vals
+    q = torch.randn(1, 1, D)
+    one = torch.ones(1)
+    out = paged_ops.paged_attention(q, kc, vc, torch.tensor([[1]], dtype=torch.int32),
+                                    torch.tensor([1], dtype=torch.int32), k_scale=one,
+                                    v_scale=torch.tensor([2.0]))
+    assert torch.equal(out[0, 0], v_vals.float() * 2.0)

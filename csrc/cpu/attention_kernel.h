@@ -60,8 +60,20 @@ inline VecF load_f32(const T* p, int64_t count = W) {
     const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
 #if defined(CPU_CAPABILITY_AVX2)
     if (count == W) {
-      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
-      return VecF(_mm256_i32gather_ps(lut, idx, 4));
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+      if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+        // e5m2 is the high byte of an fp16: widen, shift, convert with F16C.
+        return VecF(_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8)));
+      } else {
+        // e4m3fn: exponent and mantissa moved to the fp32 fields, the bias fixed by 2^120;
+        // subnormals come out right as fp32 subnormals times 2^120. (0x7f, NaN, reads as 480:
+        // only unwritten slots hold it, and those are masked by position.)
+        const __m256i w = _mm256_cvtepu8_epi32(bytes);
+        const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x7f)), 20);
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24);
+        const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
+        return VecF(_mm256_or_ps(v, _mm256_castsi256_ps(sign)));
+      }
     }
 #endif
     float tmp[W] = {};
