@@ -17,6 +17,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(_M_X64))
+#include <immintrin.h>
+#endif
 
 #include "checks.h"
 
@@ -41,10 +44,25 @@ void check_cpu(const at::Tensor& t, const char* name) {
 //          is transposed in 16-byte square blocks (SSE2 where available) and written row by
 //          row, instead of head_size strided stores per token.
 // Decode items (one token) touch a separate cache line per 16 bytes of key and per value row
-// (the layout's cost); the destinations of the next items are prefetched to overlap the misses.
-// fp8 caches: the rows of a run are first quantised (x / scale, saturated to the format's largest
-// finite value, round-to-nearest-even; vectorised, with an AVX2 build picked at run time) into a
-// small per-thread byte tile, which then goes through the same byte scatter.
+// (per 64 / (block_size * element size) rows): the layout's cost, bound by the cache-line
+// traffic, not by instructions (prefetching the next items' destination lines did not help;
+// prefetching their source rows does, a little).
+// fp8 caches: the rows of a run are first quantised (x / scale, saturated to the format's
+// largest finite value, round-to-nearest-even; vectorised, with AVX2 intrinsics when the CPU
+// has them) into a small per-thread byte tile, which then goes through the same byte scatter.
+
+// Read-prefetch `rows` rows of `row_bytes` bytes, `stride_bytes` apart (the next item's source
+// rows: on one core this overlaps their fetch with the current item's scatter / quantisation).
+inline void prefetch_rows(const void* p, int64_t stride_bytes, int64_t rows, int64_t row_bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = static_cast<const char*>(p);
+  for (int64_t j = 0; j < rows; ++j) {
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(c + j * stride_bytes + b, 0, 3);
+  }
+#else
+  (void)p, (void)stride_bytes, (void)rows, (void)row_bytes;
+#endif
+}
 
 struct Run {
   int64_t token;  // first token of the run
@@ -67,14 +85,6 @@ std::vector<Run> find_runs(const int64_t* slots, int64_t num_tokens, int64_t blo
     runs.push_back({i, s, 1});
   }
   return runs;
-}
-
-inline void prefetch_for_write(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 1, 3);
-#else
-  (void)p;
-#endif
 }
 
 // Where items go: the caches' base pointers and geometry (strides in elements).
@@ -110,7 +120,9 @@ inline void transpose_block(const E* src, int64_t ss, E* dst, int64_t ds) {
   constexpr int W = 16 / sizeof(E);
 #if defined(__SSE2__)
   __m128i r[W];
-  for (int j = 0; j < W; ++j) r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * ss));
+  for (int j = 0; j < W; ++j) {
+    r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * ss));
+  }
   if constexpr (sizeof(E) == 4) {
     const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpackhi_epi32(r[0], r[1]);
     const __m128i t2 = _mm_unpacklo_epi32(r[2], r[3]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
@@ -188,15 +200,6 @@ inline void scatter_run(const E* ksrc, int64_t ks, const E* vsrc, int64_t vs, E*
   }
 }
 
-// Prefetch (for writing) the destination lines of a one-token item.
-template <typename E>
-inline void prefetch_token(const E* kd, const E* vd, int64_t D, int64_t bs, int64_t x) {
-  for (int64_t c = 0; c < D / x; ++c) prefetch_for_write(kd + c * bs * x);
-  constexpr int64_t line = 64 / sizeof(E);
-  const int64_t step = bs >= line ? 1 : line / bs;  // value rows per cache line
-  for (int64_t d = 0; d < D; d += step) prefetch_for_write(vd + d * bs);
-}
-
 // Items per parallel chunk: at least ~16K elements of key + value.
 int64_t item_grain(const std::vector<Run>& runs, int64_t D) {
   int64_t tokens = 0;
@@ -204,8 +207,6 @@ int64_t item_grain(const std::vector<Run>& runs, int64_t D) {
   const int64_t per_item = std::max<int64_t>(1, tokens / static_cast<int64_t>(runs.size())) * D;
   return std::max<int64_t>(1, 16384 / per_item);
 }
-
-constexpr int64_t kPrefetchAhead = 2;  // items
 
 template <typename E>
 void write_plain(const at::Tensor& key, const at::Tensor& value, const Dst& g,
@@ -219,10 +220,11 @@ void write_plain(const at::Tensor& key, const at::Tensor& value, const Dst& g,
     for (int64_t w = begin; w < end; ++w) {
       const Run& r = runs[w / H];
       const int64_t h = w % H;
-      if (w + kPrefetchAhead < end) {
-        const Run& rn = runs[(w + kPrefetchAhead) / H];
-        const int64_t hn = (w + kPrefetchAhead) % H;
-        if (rn.len == 1) prefetch_token(g.key<E>(rn.slot, hn), g.value<E>(rn.slot, hn), g.D, g.bs, g.x);
+      if (w + 1 < end) {
+        const Run& rn = runs[(w + 1) / H];
+        const int64_t hn = (w + 1) % H;
+        prefetch_rows(k + rn.token * ks0 + hn * ks1, ks0 * sizeof(E), rn.len, g.D * sizeof(E));
+        prefetch_rows(v + rn.token * vs0 + hn * vs1, vs0 * sizeof(E), rn.len, g.D * sizeof(E));
       }
       scatter_run<E>(k + r.token * ks0 + h * ks1, ks0, v + r.token * vs0 + h * vs1, vs0,
                      g.key<E>(r.slot, h), g.value<E>(r.slot, h), r.len, g.D, g.bs, g.x);
@@ -297,41 +299,86 @@ inline uint8_t fp8_bits(float f) {
 }
 
 // Quantise `rows` rows of `n` elements (row stride `ss` elements) into dst (rows of n bytes).
-template <typename F, typename In>
-#if defined(__GNUC__) || defined(__clang__)
-__attribute__((always_inline))
-#endif
-inline void quantize_body(const In* __restrict src, int64_t ss, int64_t rows, int64_t n,
-                          uint8_t* __restrict dst, float scale) {
-  for (int64_t j = 0; j < rows; ++j) {
-    const In* s = src + j * ss;
-    uint8_t* o = dst + j * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = fp8_bits<F>(load_float(s[i]) / scale);
-  }
-}
-
 using QuantizeFn = void (*)(const void*, int64_t, int64_t, int64_t, uint8_t*, float);
 
+// Portable build: the branch-free fp8_bits lets the compiler vectorise the loop (SSE2).
 template <typename F, typename In>
-void quantize_default(const void* src, int64_t ss, int64_t rows, int64_t n, uint8_t* dst,
+void quantize_default(const void* src_, int64_t ss, int64_t rows, int64_t n, uint8_t* dst,
                       float scale) {
-  quantize_body<F, In>(static_cast<const In*>(src), ss, rows, n, dst, scale);
+  const In* src = static_cast<const In*>(src_);
+  for (int64_t j = 0; j < rows; ++j) {
+    const In* __restrict x = src + j * ss;
+    uint8_t* __restrict o = dst + j * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = fp8_bits<F>(load_float(x[i]) / scale);
+  }
 }
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(_M_X64))
 #define PAGED_OPS_AVX2_QUANTIZE 1
-// The same loop compiled for AVX2 (8 lanes instead of SSE2's 4), chosen at run time.
+// The same arithmetic as fp8_bits, 8 lanes at a time with AVX2 (+F16C for fp16 input), compiled
+// for those instructions by function attribute and chosen at run time when the CPU has them.
+#define PAGED_OPS_AVX2 __attribute__((target("avx2,f16c")))
+
+template <typename F>
+PAGED_OPS_AVX2 inline __m256i fp8_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
+  __m256i b = _mm256_xor_si256(bits, sign);
+  const __m256i nan = _mm256_cmpgt_epi32(b, _mm256_set1_epi32(0x7F800000));
+  b = _mm256_min_epu32(b, _mm256_set1_epi32(std::bit_cast<int32_t>(F::kMax)));
+  const __m256i magic = _mm256_set1_epi32(static_cast<int32_t>(F::kDenormMagic));
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(magic))),
+      magic);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, F::kShift), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_set1_epi32(
+      static_cast<int32_t>(F::kBiasAdjust + ((UINT32_C(1) << (F::kShift - 1)) - 1)));
+  const __m256i nrm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, bias), odd),
+                                        F::kShift);
+  const __m256i small =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(F::kMinNormal)), b);
+  __m256i r = _mm256_blendv_epi8(nrm, sub, small);
+  r = _mm256_or_si256(r, _mm256_and_si256(nan, _mm256_set1_epi32(0x7F)));
+  return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+}
+
+PAGED_OPS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+PAGED_OPS_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+PAGED_OPS_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // exact
+}
+
 template <typename F, typename In>
-__attribute__((target("avx2"))) void quantize_avx2(const void* src, int64_t ss, int64_t rows,
-                                                   int64_t n, uint8_t* dst, float scale) {
-  quantize_body<F, In>(static_cast<const In*>(src), ss, rows, n, dst, scale);
+PAGED_OPS_AVX2 void quantize_avx2(const void* src_, int64_t ss, int64_t rows, int64_t n,
+                                  uint8_t* dst, float scale) {
+  const In* src = static_cast<const In*>(src_);
+  const __m256 s = _mm256_set1_ps(scale);
+  // packus interleaves the 128-bit lanes; this puts the 32 bytes back in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t j = 0; j < rows; ++j) {
+    const In* x = src + j * ss;
+    uint8_t* o = dst + j * n;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      __m256i r[4];
+      for (int u = 0; u < 4; ++u) r[u] = fp8_bits8<F>(_mm256_div_ps(load8(x + i + 8 * u), s));
+      const __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(r[0], r[1]),
+                                            _mm256_packus_epi32(r[2], r[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                          _mm256_permutevar8x32_epi32(p, order));
+    }
+    for (; i < n; ++i) o[i] = fp8_bits<F>(load_float(x[i]) / scale);
+  }
 }
 #endif
 
 template <typename F, typename In>
 QuantizeFn pick_quantize() {
 #ifdef PAGED_OPS_AVX2_QUANTIZE
-  static const bool avx2 = __builtin_cpu_supports("avx2");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   if (avx2) return &quantize_avx2<F, In>;
 #endif
   return &quantize_default<F, In>;
@@ -355,12 +402,11 @@ void write_fp8(const at::Tensor& key, const at::Tensor& value, const Dst& g,
     for (int64_t w = begin; w < end; ++w) {
       const Run& r = runs[w / H];
       const int64_t h = w % H;
-      if (w + kPrefetchAhead < end) {
-        const Run& rn = runs[(w + kPrefetchAhead) / H];
-        const int64_t hn = (w + kPrefetchAhead) % H;
-        if (rn.len == 1) {
-          prefetch_token(g.key<uint8_t>(rn.slot, hn), g.value<uint8_t>(rn.slot, hn), D, g.bs, g.x);
-        }
+      if (w + 1 < end) {
+        const Run& rn = runs[(w + 1) / H];
+        const int64_t hn = (w + 1) % H;
+        prefetch_rows(k + rn.token * ks0 + hn * ks1, ks0 * sizeof(In), rn.len, D * sizeof(In));
+        prefetch_rows(v + rn.token * vs0 + hn * vs1, vs0 * sizeof(In), rn.len, D * sizeof(In));
       }
       for (int64_t j0 = 0; j0 < r.len; j0 += kTile) {
         const int64_t n = std::min(kTile, r.len - j0);
