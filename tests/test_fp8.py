@@ -15,6 +15,7 @@ from helpers import (
     fp8_quantize,
     make_paged_fp8,
     one_thread,
+    query_start_loc,
     random_query,
 )
 
@@ -316,8 +317,22 @@ def test_attention_options_and_zero_length(cache_dtype):
     check_attention(pg, q, scale=0.3, max_seq_len=100)
 
 
-@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 @pytest.mark.usefixtures("cpu_variant")
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_query_start_loc(cache_dtype, q_dtype):
+    # Several query tokens per sequence over fp8 caches: a decode token, a chunk, a whole
+    # prompt and a sequence with nothing to do.
+    lens, q_lens = [40, 23, 17, 9], [1, 8, 17, 0]
+    pg = make_paged_fp8(lens, 2, 64, 16, cache_dtype, seed=6)
+    q = random_query(sum(q_lens), 8, 64, q_dtype, scale=2.0)
+    check_attention(pg, q, query_start_loc=query_start_loc(q_lens), sliding_window=12)
+    check_attention(pg, q, query_start_loc=query_start_loc(q_lens),
+                    alibi_slopes=torch.rand(8), logits_soft_cap=4.0)
+
+
+@pytest.mark.usefixtures("cpu_variant")
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 def test_attention_equals_dense_sdpa_of_the_dequantised_tokens(cache_dtype):
     # Independent of the reference: SDPA over stored * scale.
     lens = [3, 33, 64]

@@ -136,7 +136,6 @@ def test_causal_mask_by_hand():
     # average exactly values 0..j when all logits are equal (query zero).
     L, D = 3, 16
     pg = make_paged([L], 1, D, 16, torch.float32, seed=10)
-    nb = pg.key_cache.shape[0]
     blk = int(pg.block_tables[0, 0])
     vals = torch.eye(D)[:L]  # value of position p: e_p
     pg.value_cache[blk, 0, :, :L] = vals.T
@@ -146,7 +145,6 @@ def test_causal_mask_by_hand():
     for j in range(L):
         want = vals[: j + 1].mean(0)
         torch.testing.assert_close(out[j, 0], want)
-    assert nb > 1  # unwritten blocks hold NaN: never read
 
 
 def test_strided_query_and_attention_out():
