@@ -224,3 +224,230 @@ def test_compiled_decode(setup):
     _check(outs, refs, 2)
     assert engine.stats.preemptions > 0 and engine.stats.cow_copies > 0
     _check_pool_empty(engine)
+
+
+# --------------------------------------------------------------------------- prefix caching
+PREFIX_LEN = 40  # with block_size 16: two full blocks (32 tokens) shared by every prompt
+SUFFIX_LENS = (5, 13, 24, 0)
+PREFIX_MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def shared_prefix(setup):
+    """Prompts sharing a 40-token prefix, with transformers' greedy references and margins."""
+    model = setup[0]
+    g = torch.Generator().manual_seed(99)
+    prefix = torch.randint(0, 256, (PREFIX_LEN,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 256, (n,), generator=g).tolist() for n in SUFFIX_LENS]
+    refs, margins = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = _hf_generate(model, p, PREFIX_MAX_NEW)
+            refs.append(out[len(p):].tolist())
+            top2 = model(out[None]).logits[0, len(p) - 1:-1].topk(2, dim=-1).values
+            margins.append((top2[:, 0] - top2[:, 1]).min().item())
+    return prompts, refs, margins
+
+
+def test_prefix_caching_matches_transformers(setup, shared_prefix):
+    model = setup[0]
+    prompts, refs, margins = shared_prefix
+    assert min(margins) > MIN_MARGIN, margins
+    engine = PagedEngine(model, num_blocks=64, block_size=16, enable_prefix_caching=True)
+    assert engine.block_manager.enable_prefix_caching
+    outs = engine.generate(prompts, PREFIX_MAX_NEW, n=2)
+    _check(outs, refs, 2)
+    st = engine.stats
+    # One packed prefill: the first prompt registers the prefix's two full blocks, every later
+    # prompt of the same batch reuses them and computes only its own suffix (from position 32).
+    assert st.prefill_steps == 1 and st.preemptions == 0 and st.forks == len(prompts)
+    assert st.cached_prompt_tokens == 32 * (len(prompts) - 1)
+    assert st.prefill_tokens == st.prompt_tokens - st.cached_prompt_tokens
+    assert st.timeline[0].num_tokens == st.prefill_tokens
+    _check_pool_empty(engine)
+    # Finished sequences leave their registered blocks cached (ref count 0, evictable).
+    assert engine.block_manager.num_cached_blocks > 0
+    # A second call on the same engine hits the blocks cached by the first: every prompt
+    # reuses all its full blocks but the one holding its last token.
+    outs = engine.generate(prompts, PREFIX_MAX_NEW)
+    _check(outs, refs, 1)
+    st = engine.stats
+    assert st.cached_prompt_tokens == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert st.prefill_tokens == st.prompt_tokens - st.cached_prompt_tokens
+    assert 0 < st.prefix_cache_hit_rate < 1
+    _check_pool_empty(engine)
+    # With prefix caching off nothing is served from the cache (the SDPA prefill path).
+    plain = PagedEngine(model, num_blocks=64, block_size=16)
+    assert plain.generate(prompts[:2], 4) == [[r[:4]] for r in refs[:2]]
+    assert plain.stats.cached_prompt_tokens == 0
+    assert plain.stats.prefill_tokens == plain.stats.prompt_tokens
+
+
+def test_prefix_caching_gathered_sdpa_fallback(setup, shared_prefix):
+    """The fallback for devices whose kernel lacks the multi-token op (gather + SDPA), forced
+    on the CPU."""
+    model = setup[0]
+    prompts, refs, _ = shared_prefix
+    engine = PagedEngine(model, num_blocks=64, block_size=16, enable_prefix_caching=True)
+    assert engine._native_multi_token  # the CPU kernel takes query_start_loc
+    engine._native_multi_token = False
+    outs = engine.generate(prompts[::-1], 8)
+    _check(outs, [r[:8] for r in refs[::-1]], 1)
+    assert engine.stats.cached_prompt_tokens == 32 * (len(prompts) - 1)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prefix_caching_with_preemption(setup, mode):
+    """A small pool with n=2 (fork + CoW) and preemption: a sequence preempted by recompute
+    is readmitted with prompt + generated tokens and hits its own (or its sibling's) blocks
+    still in the cache; swapped-in sequences revive cached blocks instead of copying."""
+    model, prompts, refs, _ = setup
+    engine = PagedEngine(model, num_blocks=9, block_size=8, enable_prefix_caching=True,
+                         num_cpu_blocks=32 if mode == "swap" else 0)
+    outs = engine.generate(prompts, MAX_NEW, n=2)
+    _check(outs, refs, 2)
+    st = engine.stats
+    assert st.peak_used_blocks <= 9 and st.cow_copies > 0
+    if mode == "swap":
+        assert st.swap_preemptions > 0 and st.swap_ins == st.swap_preemptions
+    else:
+        assert st.recompute_preemptions > 0
+        assert st.cached_prompt_tokens > 0  # readmissions served partly from the cache
+        assert st.prefill_tokens + st.cached_prompt_tokens > st.prompt_tokens
+    _check_pool_empty(engine)
+
+
+# --------------------------------------------------------------------------- fp8 KV cache
+FP8_STEPS = 6
+# Bound on max |logit(fp8 cache) - logit(fp32 cache)| / (max logit - min logit) per step, over
+# the steps where both engines have fed the same tokens. e4m3 keeps 3 mantissa bits: every
+# cached key/value is off by up to 2^-4 of itself; through 3 layers of this deliberately
+# peaked random model (logit range ~8-10) that measured 0.03 on average and 0.10 at worst.
+# A scale that is not applied (on write or read) or a missing dequantisation is off by the
+# whole range (~0.7-1.0 of it once the inputs diverge), so 0.15 separates the two.
+FP8_REL_BOUND = 0.15
+
+
+def _run_logged(model, prompts, max_new, **kw):
+    """Generate with a step callback that keeps every step's logits per (request, branch)."""
+    steps = []
+
+    def cb(engine, rec):
+        seqs, logits = engine.last_step_logits
+        steps.append(dict(zip(seqs, logits.float().clone(), strict=True)))
+
+    engine = PagedEngine(model, step_callback=cb, **kw)
+    outs = engine.generate(prompts, max_new)
+    per_seq = [torch.stack([s[(i, 0)] for s in steps if (i, 0) in s])
+               for i in range(len(prompts))]
+    return engine, [o[0] for o in outs], per_seq
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["sdpa-prefill", "paged-prefill"])
+def test_fp8_cache_logits_close_to_fp32(setup, caching):
+    """fp8 (e4m3, calibrated scales) vs fp32 cache: prefill + decode logits within
+    FP8_REL_BOUND of the logit range; greedy tokens agree wherever the fp32 top-1 margin
+    exceeds twice the fp8 logit error. Without prefix caching the prefill attends over its
+    own fresh keys/values (only decode reads fp8); with it, the prefill reads fp8 too."""
+    model, prompts, _, _ = setup
+    kw = dict(num_blocks=64, block_size=16, enable_prefix_caching=caching)
+    _, base, ref_logits = _run_logged(model, prompts, FP8_STEPS, **kw)
+    engine, outs, logits = _run_logged(model, prompts, FP8_STEPS,
+                                       kv_cache_dtype=torch.float8_e4m3fn, **kw)
+    assert engine.key_caches[0].dtype == torch.float8_e4m3fn
+    assert engine.kv_bytes_per_block * 4 == PagedEngine(model, num_blocks=1).kv_bytes_per_block
+    # Calibrated on the first prefill, per layer: amax maps to 448 / 4.
+    for s in engine.k_scales + engine.v_scales:
+        assert s.dtype == torch.float32 and s.numel() == 1 and 0 < s.item() < 1
+    compared = agreed = 0
+    for i in range(len(prompts)):
+        assert torch.isfinite(logits[i]).all() and len(outs[i]) == FP8_STEPS
+        for t in range(FP8_STEPS):
+            if outs[i][:t] != base[i][:t]:
+                break  # different inputs from here on: nothing to compare
+            a, b = ref_logits[i][t], logits[i][t]
+            err = (a - b).abs().max().item()
+            rng = (a.max() - a.min()).item()
+            assert err <= FP8_REL_BOUND * rng, (i, t, err, rng)
+            top2 = a.topk(2).values
+            if (top2[0] - top2[1]).item() > 2 * err:
+                assert outs[i][t] == base[i][t], (i, t)
+            compared += 1
+            agreed += outs[i][t] == base[i][t]
+    # Every first token is compared, and most steps agree before a near-tie flips one.
+    assert compared >= 2 * len(prompts) and agreed >= len(prompts) + 1
+
+
+def test_fp8_cache_matches_fake_quantized_reference(setup):
+    """The fp8 engine (prefix caching: prefill and decode both read the fp8 cache) against
+    transformers' SDPA with keys/values quantised and dequantised with the engine's
+    calibrated scales, teacher-forced over prompt + generated tokens: the same math, so the
+    logits agree to fp32 noise (plus a rare value rounded to the other fp8 neighbour)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model, prompts, _, _ = setup
+    engine, outs, logits = _run_logged(model, prompts, FP8_STEPS, num_blocks=64,
+                                       block_size=16, enable_prefix_caching=True,
+                                       kv_cache_dtype=torch.float8_e4m3fn)
+    scales = [(k.item(), v.item()) for k, v in zip(engine.k_scales, engine.v_scales,
+                                                   strict=True)]
+
+    def fq(x, s):
+        return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+
+    def fake_fp8_sdpa(module, q, k, v, mask, **kw):
+        ks, vs = scales[module.layer_idx]
+        return sdpa_attention_forward(module, q, fq(k, ks), fq(v, vs), mask, **kw)
+
+    AttentionInterface.register("fp8_fake_quant_test", fake_fp8_sdpa)
+    model.set_attn_implementation("fp8_fake_quant_test")
+    try:
+        with torch.no_grad():
+            for i, p in enumerate(prompts):
+                want = model(torch.tensor([p + outs[i][:-1]])).logits[0, len(p) - 1:]
+                rng = (want.max(-1).values - want.min(-1).values).min().item()
+                err = (want - logits[i]).abs().max().item()
+                assert err <= 1e-2 * rng, (i, err, rng)
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+@pytest.mark.parametrize("dtype,kv_scale,mode", [
+    (torch.float8_e4m3fn, 1.0, "swap"),
+    (torch.float8_e5m2, "auto", "recompute"),
+])
+def test_fp8_cache_generates_under_preemption(setup, dtype, kv_scale, mode):
+    """fp8 caches through fork + CoW, preemption (swap: fp8 CPU pool) and prefix caching:
+    every step's logits are finite and every branch runs to max_new_tokens."""
+    model, prompts, _, _ = setup
+    finite = []
+
+    def cb(engine, rec):
+        finite.append(bool(torch.isfinite(engine.last_step_logits[1]).all()))
+
+    engine = PagedEngine(model, num_blocks=9, block_size=8, kv_cache_dtype=dtype,
+                         kv_scale=kv_scale, enable_prefix_caching=mode == "recompute",
+                         num_cpu_blocks=32 if mode == "swap" else 0, step_callback=cb)
+    outs = engine.generate(prompts, 12, n=2)
+    assert all(finite) and len(finite) == engine.stats.steps
+    assert all(len(b) == 12 for branches in outs for b in branches)
+    st = engine.stats
+    assert st.preemptions > 0 and st.cow_copies > 0
+    if mode == "swap":
+        assert st.swap_preemptions > 0 and engine.cpu_key_caches[0].dtype == dtype
+        assert engine.k_scales[0].item() == 1.0  # a fixed scale is never recalibrated
+    _check_pool_empty(engine)
+
+
+def test_kv_cache_dtype_and_scale_are_checked(setup):
+    model = setup[0]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        PagedEngine(model, num_blocks=4, kv_cache_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kv_scale"):
+        PagedEngine(model, num_blocks=4, kv_cache_dtype=torch.float8_e4m3fn, kv_scale=0.0)
+    with pytest.raises(ValueError, match="kv_scale"):
+        PagedEngine(model, num_blocks=4, kv_cache_dtype=torch.float8_e4m3fn, kv_scale="max")
+    engine = PagedEngine(model, num_blocks=4, kv_cache_dtype=torch.float8_e4m3fn,
+                         kv_scale=(0.5, 0.25))
+    assert engine.k_scales[2].item() == 0.5 and engine.v_scales[2].item() == 0.25
