@@ -198,11 +198,13 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
     check_last_dim_contiguous(*out, "out");
   }
   if (backend == Backend::CUDA) {
-    TORCH_CHECK(!is_fp8(key_cache.scalar_type()), "fp8 KV caches (", key_cache.scalar_type(),
-                ") are not supported by the CUDA attention kernel yet");
-    TORCH_CHECK(!d.multi_token,
-                "query_start_loc (several query tokens per sequence) is not supported by the "
-                "CUDA attention kernel yet");
+    // Decode and multi-token (query_start_loc) kernels are instantiated for every head size
+    // and block size below, with fp32 / fp16 / bf16 caches (query of the same dtype) and with
+    // fp8 caches of either format (query fp32, fp16 or bf16). The fp8 key layout (x = 16)
+    // cannot express head size 120, so only multiples of 16 exist there.
+    TORCH_CHECK(!is_fp8(key_cache.scalar_type()) || d.cache.head_size % 16 == 0, "head_size ",
+                d.cache.head_size, " is not supported by the CUDA backend for fp8 caches (",
+                key_cache.scalar_type(), "): it must be a multiple of 16");
     const auto& hs = cuda_head_sizes();
     const auto& bs = cuda_block_sizes();
     TORCH_CHECK(std::find(hs.begin(), hs.end(), d.cache.head_size) != hs.end(), "head_size ",
@@ -273,8 +275,9 @@ CacheWriteDims check_reshape_and_cache(Backend backend, const at::Tensor& key,
   CacheWriteDims d;
   d.cache = check_kv_cache_pair(key_cache, value_cache);
   check_fp8_scales(key_cache.scalar_type(), k_scale, v_scale);
-  TORCH_CHECK(backend == Backend::CPU || !is_fp8(key_cache.scalar_type()), "fp8 KV caches (",
-              key_cache.scalar_type(), ") are not supported by the CUDA cache write yet");
+  // fp8 caches: both backends quantise any head size and block size the layout allows, from
+  // fp32 / fp16 / bf16 key and value.
+  (void)backend;
   TORCH_CHECK(is_fp8(key_cache.scalar_type()) || key_cache.scalar_type() == key.scalar_type(),
               "key_cache dtype (", key_cache.scalar_type(), ") must equal key dtype (",
               key.scalar_type(), ") unless the cache is fp8");

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TOL, cache_x, make_paged, random_query
+from helpers import TOL, cache_x, make_paged, make_paged_fp8, one_thread, random_query
 
 import paged_ops
 from paged_ops import reference as ref
@@ -561,4 +561,488 @@ def test_cuda_graph_capture_replay_with_inputs_changed_in_place(dtype):
         torch.cuda.synchronize()
         torch.testing.assert_close(got, eager, atol=0, rtol=0, msg=f"replay {step}")
         want = ref.attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), sl.cpu(), scale)
+        torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+
+
+# ------------------------------------------------------------------------------------------
+# several query tokens per sequence (query_start_loc) and fp8 caches
+# ------------------------------------------------------------------------------------------
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def qsl_of(q_lens, device=DEV):
+    out = [0]
+    for n in q_lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def check_general(pg, q, tol, *, qsl=None, k_scale=None, v_scale=None, out=None,
+                  compare_cpu=True, **kw):
+    """CUDA attention (decode, or multi-token with qsl; fp8 with scales) vs the reference on
+    the same cache bytes and vs the CPU kernel on identical inputs."""
+    scale = kw.pop("scale", q.shape[-1] ** -0.5)
+    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale, out=out, k_scale=k_scale,
+                                    v_scale=v_scale, query_start_loc=qsl, **kw)
+    torch.cuda.synchronize()
+    assert got.device == q.device and got.dtype == q.dtype and got.shape == q.shape
+    if out is None:
+        assert got.is_contiguous()
+    assert not got.isnan().any(), "NaN from unwritten slots or future positions leaked"
+    kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
+    bt, sl = pg.block_tables.cpu(), pg.seq_lens.cpu()
+    with one_thread():
+        want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
+                             kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0),
+                             k_scale=_cpu(k_scale), v_scale=_cpu(v_scale),
+                             query_start_loc=_cpu(qsl))
+    torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
+    if compare_cpu:
+        cpu = paged_ops.paged_attention(q.cpu(), kc, vc, bt, sl, scale, k_scale=_cpu(k_scale),
+                                        v_scale=_cpu(v_scale), query_start_loc=_cpu(qsl),
+                                        **{k: _cpu(v) for k, v in kw.items()})
+        torch.testing.assert_close(got.cpu().float(), cpu.float(), **tol)
+    return got
+
+
+def multi_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0,
+                qscale=2.0):
+    assert all(n <= L for n, L in zip(q_lens, seq_lens))
+    pg = make_paged(seq_lens, num_kv_heads, head_size, block_size, dtype, device=DEV, seed=seed)
+    q = random_query(sum(q_lens), num_heads, head_size, dtype, device=DEV, seed=seed + 1,
+                     scale=qscale)
+    return pg, q, qsl_of(q_lens)
+
+
+# A decode token, empty sequences (q_len 0, with and without cached tokens), a short and a
+# long chunk, and two whole prompts (q_len == seq_len), one spanning many query tiles.
+MIXED_Q = [1, 0, 7, 64, 0, 45, 150]
+MIXED_L = [37, 12, 50, 100, 0, 45, 150]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_multi_token_mixed_batch(dtype, block_size):
+    pg, q, qsl = multi_batch(MIXED_Q, MIXED_L, 8, 2, 128, block_size, dtype, seed=block_size)
+    check_general(pg, q, TOL[dtype], qsl=qsl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+def test_multi_token_head_sizes(dtype, head_size):
+    pg, q, qsl = multi_batch([3, 40, 1], [20, 40, 9], 4, 2, head_size, 16, dtype, seed=head_size)
+    check_general(pg, q, TOL[dtype], qsl=qsl)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_size", [((64, 8), 128), ((32, 1), 128), ((8, 8), 64),
+                                             ((12, 4), 96), ((40, 1), 256), ((96, 1), 64),
+                                             ((6, 2), 192)])
+def test_multi_token_gqa_mqa(dtype, heads, head_size):
+    # Group sizes 8, 32, 1, 3, 40 (two group tiles of 20 at head size 256), 96 (two of 48).
+    num_heads, num_kv_heads = heads
+    pg, q, qsl = multi_batch([5, 1, 33], [70, 16, 33], num_heads, num_kv_heads, head_size, 16,
+                             dtype, seed=num_heads)
+    check_general(pg, q, TOL[dtype], qsl=qsl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_multi_token_alibi_window_softcap(dtype, block_size):
+    pg, q, qsl = multi_batch([1, 9, 70, 33], [40, 200, 300, 33], 8, 2, 64, block_size, dtype,
+                             seed=7)
+    slopes = torch.rand(8, device=DEV) * 0.5
+    check_general(pg, q, TOL[dtype], qsl=qsl, alibi_slopes=slopes)
+    check_general(pg, q, TOL[dtype], qsl=qsl, sliding_window=37)
+    check_general(pg, q, TOL[dtype], qsl=qsl, sliding_window=1)
+    check_general(pg, q, TOL[dtype], qsl=qsl, logits_soft_cap=5.0)
+    check_general(pg, q, TOL[dtype], qsl=qsl, alibi_slopes=slopes, sliding_window=50,
+                  logits_soft_cap=8.0, scale=0.3)
+    check_general(pg, q, TOL[dtype], qsl=qsl, alibi_slopes=torch.rand(16, device=DEV)[::2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_token_long_context_split_k(dtype):
+    # Few query tiles over long contexts: the key range is split over partitions and merged.
+    pg, q, qsl = multi_batch([3, 1, 0], [9000, 5000, 70], 8, 2, 128, 16, dtype, seed=5,
+                             qscale=3.0)
+    check_general(pg, q, TOL[dtype], qsl=qsl)
+    check_general(pg, q, TOL[dtype], qsl=qsl, max_seq_len=9000)
+    check_general(pg, q, TOL[dtype], qsl=qsl, sliding_window=700)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_token_q_len_one_equals_decode(dtype):
+    lens = [1, 17, 64, 333, 1000]
+    pg = make_paged(lens, 2, 128, 16, dtype, device=DEV, seed=12)
+    q = random_query(len(lens), 8, 128, dtype, device=DEV, scale=2.0)
+    qsl = qsl_of([1] * len(lens))
+    for kw in ({}, dict(sliding_window=40), dict(alibi_slopes=torch.rand(8, device=DEV))):
+        multi = check_general(pg, q, TOL[dtype], qsl=qsl, **kw)
+        decode = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                           pg.seq_lens, **kw)
+        torch.testing.assert_close(multi.float(), decode.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_token_strided_query_out_and_pool_view(dtype):
+    q_lens, lens = [4, 19, 1], [10, 60, 129]
+    H, Hkv, D = 8, 2, 96
+    pg = make_paged(lens, Hkv, D, 16, dtype, device=DEV, seed=8, pool_layers=3, layer=1)
+    n = sum(q_lens)
+    qkv = random_query(n, H + 2 * Hkv, D, dtype, device=DEV, scale=2.0)
+    qsl = qsl_of(q_lens)
+    buf = torch.full((n, H, 2, D), 123.0, dtype=dtype, device=DEV)
+    out = buf[:, :, 1]
+    got = check_general(pg, qkv[:, :H], TOL[dtype], qsl=qsl, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert (buf[:, :, 0] == 123.0).all(), "attention_out wrote outside out"
+    # A strided query_start_loc (a view) is read with its stride.
+    wide = torch.zeros(2 * len(qsl), dtype=torch.int32, device=DEV)
+    wide[::2] = qsl
+    check_general(pg, qkv[:, :H], TOL[dtype], qsl=wide[::2])
+
+
+def test_multi_token_empty_inputs():
+    pg = make_paged([0, 5], 2, 64, 16, torch.float16, device=DEV)
+    q = random_query(0, 4, 64, torch.float16, device=DEV)
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, query_start_loc=qsl_of([0, 0]))
+    assert out.shape == (0, 4, 64) and out.is_cuda
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables[:0],
+                                    pg.seq_lens[:0], query_start_loc=qsl_of([]))
+    assert out.shape == (0, 4, 64)
+    torch.cuda.synchronize()
+
+
+def test_multi_token_memory_safety_bad_device_indices():
+    # The CUDA path cannot raise on device data: query_start_loc, seq_lens and block ids out of
+    # range are clamped or skipped, never used to read or write outside the tensors.
+    pg, q, qsl = multi_batch([4, 4, 4], [40, 40, 48], 4, 2, 64, 16, torch.float32, seed=10)
+    T = q.shape[0]
+    for bad in ([0, 9, 3, T], [0, 4, 2 * T, T], [-7, 4, 8, T], [0, 4, 8, 10**9],
+                [5, 4, 8, 12], [0, 0, 0, 0]):
+        out = torch.full_like(q, 7.0)
+        paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                  pg.seq_lens, query_start_loc=torch.tensor(
+                                      bad, dtype=torch.int32, device=DEV), out=out)
+        torch.cuda.synchronize()
+    sl = torch.tensor([2, -5, 10**6], dtype=torch.int32, device=DEV)  # q_len > seq_len, < 0, huge
+    bt = pg.block_tables.clone()
+    bt[0, 1] = 10**6
+    bt[1, 0] = -3
+    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, bt, sl,
+                                    query_start_loc=qsl)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    # Rows at negative positions (q_len > seq_len) and a negative length see nothing: zero rows.
+    assert (out[:2] == 0).all() and (out[4:8] == 0).all()
+    # The valid rows of sequence 0 (positions 0 and 1) are unaffected by the bad block.
+    want = ref.attention(q[2:4].cpu(), pg.key_cache.cpu(), pg.value_cache.cpu(),
+                         pg.block_tables[:1].cpu(), torch.tensor([2], dtype=torch.int32),
+                         64 ** -0.5, query_start_loc=torch.tensor([0, 2], dtype=torch.int32))
+    torch.testing.assert_close(out[2:4].cpu(), want, **TOL[torch.float32])
+
+
+# ---- fp8 caches ------------------------------------------------------------------------------
+
+
+def fp8_paged(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=0, **kw):
+    pg = make_paged_fp8(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=seed, **kw)
+    for name in ("key_cache", "value_cache", "block_tables", "seq_lens", "k_scale", "v_scale"):
+        setattr(pg, name, getattr(pg, name).to(DEV))
+    return pg
+
+
+def assert_same_bytes(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    diff = a.cpu().view(torch.uint8) != b.cpu().view(torch.uint8)
+    assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def nan_fp8_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device=DEV):
+    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
+                                         device=device)
+    kc.view(torch.uint8).fill_(0x7F)  # NaN in both formats
+    vc.view(torch.uint8).fill_(0x7F)
+    return kc, vc
+
+
+def check_fp8_write(k, v, kc, vc, slots, ks, vs):
+    """CUDA fp8 write vs the CPU kernel and the reference, byte for byte."""
+    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), slots.cpu(),
+                                           ks.cpu(), vs.cpu())
+    cpu_k, cpu_v = kc.cpu().clone(), vc.cpu().clone()
+    paged_ops.reshape_and_cache(k.cpu(), v.cpu(), cpu_k, cpu_v, slots.cpu(), k_scale=ks.cpu(),
+                                v_scale=vs.cpu())
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    assert_same_bytes(kc, cpu_k)
+    assert_same_bytes(vc, cpu_v)
+    for got, want in ((kc, want_k), (vc, want_v)):  # the reference agrees up to NaN payloads
+        nan = want.float().isnan()
+        assert torch.equal(got.cpu().float().isnan(), nan)
+        assert not ((got.cpu().view(torch.uint8) != want.view(torch.uint8)) & ~nan).any()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("head_size,block_size", [(64, 1), (128, 16), (80, 32), (256, 8),
+                                                  (32, 16)])
+def test_fp8_reshape_and_cache_bitwise(cache_dtype, in_dtype, head_size, block_size):
+    g = torch.Generator().manual_seed(head_size + block_size)
+    num_blocks, H, n = 10, 2, 23
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots[5] = -1
+    k = torch.randn(n, H, head_size, generator=g) * 3
+    v = torch.randn(n, H, head_size, generator=g) * 2
+    # Saturation (beyond +-max after the division), +-Inf, NaN, tiny values, exact zeros.
+    k[0, 0, :8] = torch.tensor([1e6, -1e6, float("inf"), -float("inf"), float("nan"), 1e-30,
+                                -0.0, 0.0])
+    v[1, 1, :4] = torch.tensor([-1e9, 7e4, float("nan"), -float("nan")])
+    kc, vc = nan_fp8_caches(num_blocks, H, head_size, block_size, cache_dtype)
+    ks = torch.tensor([0.05], device=DEV)
+    vs = torch.tensor([0.03], device=DEV)
+    check_fp8_write(k.to(in_dtype).to(DEV), v.to(in_dtype).to(DEV), kc, vc, slots.to(DEV), ks,
+                    vs)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_fp8_reshape_and_cache_every_16_bit_input_and_specials(cache_dtype, in_dtype):
+    if in_dtype == torch.float32:
+        g = torch.Generator().manual_seed(3)
+        x = torch.cat([
+            torch.randn(8192, generator=g) * 10 ** torch.empty(8192).uniform_(-9, 7,
+                                                                               generator=g),
+            torch.randint(-2**31, 2**31 - 1, (8192,), dtype=torch.int32, generator=g)
+            .view(torch.float32),
+            torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, 3e38]),
+        ])
+    else:
+        x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype)
+    D = 128
+    x = torch.cat([x, torch.zeros((-x.numel()) % D, dtype=x.dtype)]).reshape(-1, 1, D).to(DEV)
+    n = x.shape[0]
+    for scale in (1.0, 0.0371, 2.5e-3, 700.0):
+        s = torch.tensor([scale], device=DEV)
+        kc, vc = nan_fp8_caches(n, 1, D, 1, cache_dtype)
+        check_fp8_write(x, x.flip(0), kc, vc, torch.randperm(n).to(DEV), s, s)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_fp8_reshape_and_cache_strided_misaligned_pool_and_bad_slots(cache_dtype):
+    H, D, bs = 2, 64, 16
+    qkv = torch.randn(10, 8 + 2 * H, D, device=DEV).to(torch.bfloat16)
+    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]
+    kpool = torch.zeros((3, 8, H, D // 16, bs, 16), dtype=torch.uint8, device=DEV).fill_(0x7F)
+    vpool = torch.zeros((3, 8, H, D, bs), dtype=torch.uint8, device=DEV).fill_(0x7F)
+    kc, vc = kpool[1].view(cache_dtype), vpool[1].view(cache_dtype)
+    ks = torch.tensor([0.5, 0.02], device=DEV)[1:]  # a one-element view
+    vs = torch.tensor([0.04], device=DEV)
+    slots = torch.tensor([5, 99, 16, -1, 127, 0, 64], device=DEV)
+    check_fp8_write(k, v, kc, vc, slots, ks, vs)
+    assert (kpool[0] == 0x7F).all() and (kpool[2] == 0x7F).all()
+    assert (vpool[0] == 0x7F).all() and (vpool[2] == 0x7F).all()
+    # One element off 16-byte alignment: the scalar path.
+    base = torch.randn(6, H, D + 1, device=DEV)
+    check_fp8_write(base[..., 1:], base.flip(0)[..., 1:], kc, vc,
+                    torch.tensor([1, 2, 3, 30, 31, -1], device=DEV), ks, vs)
+    # Out-of-range slots are skipped on the device.
+    before_k, before_v = kc.clone(), vc.clone()
+    paged_ops.reshape_and_cache(k[:2], v[:2], kc, vc, torch.tensor([128, 10**12], device=DEV),
+                                k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    assert_same_bytes(kc, before_k)
+    assert_same_bytes(vc, before_v)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_fp8_attention_decode(cache_dtype, q_dtype, block_size):
+    lens = [0, 1, block_size + 3, 70, 301]
+    pg = fp8_paged(lens, 2, 128, block_size, cache_dtype, seed=block_size)
+    q = random_query(len(lens), 8, 128, q_dtype, device=DEV, scale=2.0)
+    out = check_general(pg, q, TOL[q_dtype], k_scale=pg.k_scale, v_scale=pg.v_scale)
+    assert (out[0] == 0).all()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("head_size", [h for h in HEAD_SIZES if h % 16 == 0])
+def test_fp8_attention_head_sizes_decode_and_multi_token(cache_dtype, head_size):
+    pg = fp8_paged([5, 40, 33], 2, head_size, 16, cache_dtype, seed=head_size)
+    for q_dtype in (torch.float16, torch.bfloat16):
+        q = random_query(3, 8, head_size, q_dtype, device=DEV, scale=2.0)
+        check_general(pg, q, TOL[q_dtype], k_scale=pg.k_scale, v_scale=pg.v_scale)
+        qm = random_query(12, 8, head_size, q_dtype, device=DEV, scale=2.0)
+        check_general(pg, qm, TOL[q_dtype], qsl=qsl_of([2, 7, 3]), k_scale=pg.k_scale,
+                      v_scale=pg.v_scale)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("q_dtype", DTYPES)
+def test_fp8_attention_multi_token_options_and_split_k(cache_dtype, q_dtype):
+    pg = fp8_paged(MIXED_L + [6000], 2, 64, 16, cache_dtype, seed=4)
+    q_lens = MIXED_Q + [2]
+    q = random_query(sum(q_lens), 8, 64, q_dtype, device=DEV, scale=2.0)
+    qsl = qsl_of(q_lens)
+    kw = dict(k_scale=pg.k_scale, v_scale=pg.v_scale)
+    check_general(pg, q, TOL[q_dtype], qsl=qsl, **kw)
+    check_general(pg, q, TOL[q_dtype], qsl=qsl, alibi_slopes=torch.rand(8, device=DEV),
+                  sliding_window=45, logits_soft_cap=6.0, **kw)
+    # Long context, few sequences: the decode kernel's split-K with fp8 scales.
+    qd = random_query(2, 8, 64, q_dtype, device=DEV, scale=2.0)
+    pg2 = fp8_paged([9000, 3], 2, 64, 16, cache_dtype, seed=5)
+    check_general(pg2, qd, TOL[q_dtype], k_scale=pg2.k_scale, v_scale=pg2.v_scale)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_fp8_write_then_attend_end_to_end(cache_dtype):
+    # Keys/values written by the CUDA fp8 write, read back by both CUDA kernels.
+    H, Hkv, D, bs = 8, 2, 128, 16
+    lens = [20, 77]
+    g = torch.Generator().manual_seed(0)
+    kc, vc = nan_fp8_caches(16, Hkv, D, bs, cache_dtype)
+    bt = torch.tensor([[3, 9, 0, 0, 0, 0], [1, 4, 7, 12, 2, 15]], dtype=torch.int32, device=DEV)
+    slots = torch.cat([bt[s, torch.arange(L) // bs].long().cpu() * bs + torch.arange(L) % bs
+                       for s, L in enumerate(lens)]).to(DEV)
+    k = torch.randn(sum(lens), Hkv, D, generator=g).half().to(DEV)
+    v = torch.randn(sum(lens), Hkv, D, generator=g).half().to(DEV)
+    ks, vs = torch.tensor([0.01], device=DEV), torch.tensor([0.02], device=DEV)
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+
+    class P:
+        pass
+
+    pg = P()
+    pg.key_cache, pg.value_cache, pg.block_tables = kc, vc, bt
+    pg.seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = random_query(2, H, D, torch.float16, device=DEV, scale=2.0)
+    check_general(pg, q, TOL[torch.float16], k_scale=ks, v_scale=vs)
+    qm = random_query(30, H, D, torch.float16, device=DEV, scale=2.0)
+    check_general(pg, qm, TOL[torch.float16], qsl=qsl_of([10, 20]), k_scale=ks, v_scale=vs)
+
+
+def test_fp8_rejections_on_cuda():
+    pg = fp8_paged([5], 1, 64, 16, torch.float8_e4m3fn)
+    q = random_query(1, 2, 64, torch.float16, device=DEV)
+    with pytest.raises(RuntimeError, match="k_scale is required"):
+        paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens)
+    with pytest.raises(RuntimeError, match="same device"):
+        paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                                  k_scale=pg.k_scale.cpu(), v_scale=pg.v_scale)
+    pg4 = fp8_paged([5], 1, 64, 4, torch.float8_e5m2)
+    with pytest.raises(RuntimeError, match="block_size 4"):
+        paged_ops.paged_attention(q, pg4.key_cache, pg4.value_cache, pg4.block_tables,
+                                  pg4.seq_lens, k_scale=pg4.k_scale, v_scale=pg4.v_scale)
+    pg48 = fp8_paged([5], 1, 48, 16, torch.float8_e5m2)
+    q48 = random_query(1, 2, 48, torch.float16, device=DEV)
+    with pytest.raises(RuntimeError, match="head_size 48"):
+        paged_ops.paged_attention(q48, pg48.key_cache, pg48.value_cache, pg48.block_tables,
+                                  pg48.seq_lens, k_scale=pg48.k_scale, v_scale=pg48.v_scale,
+                                  query_start_loc=qsl_of([1]))
+
+
+# ---- opcheck and CUDA graphs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_attention_query_start_loc(dtype):
+    pg, q, qsl = multi_batch([1, 6, 17], [1, 20, 40], 8, 2, 64, 16, dtype, seed=14)
+    args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
+    torch.library.opcheck(torch.ops.paged.attention.default, args, dict(query_start_loc=qsl))
+    torch.library.opcheck(torch.ops.paged.attention.default, args,
+                          dict(alibi_slopes=torch.rand(8, device=DEV), sliding_window=9,
+                               logits_soft_cap=4.0, max_seq_len=40, query_start_loc=qsl))
+    torch.library.opcheck(torch.ops.paged.attention_out.default, (torch.empty_like(q),) + args,
+                          dict(query_start_loc=qsl))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_opcheck_fp8(cache_dtype):
+    pg = fp8_paged([1, 20, 40], 2, 64, 16, cache_dtype, seed=15)
+    q = random_query(3, 8, 64, torch.bfloat16, device=DEV)
+    args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
+    scales = dict(k_scale=pg.k_scale, v_scale=pg.v_scale)
+    torch.library.opcheck(torch.ops.paged.attention.default, args, scales)
+    qm = random_query(9, 8, 64, torch.bfloat16, device=DEV)
+    torch.library.opcheck(torch.ops.paged.attention.default, (qm,) + args[1:],
+                          dict(query_start_loc=qsl_of([1, 4, 4]), **scales))
+    kc, vc = nan_fp8_caches(4, 2, 64, 16, cache_dtype)
+    kc.view(torch.uint8).zero_()
+    vc.view(torch.uint8).zero_()
+    torch.library.opcheck(torch.ops.paged.reshape_and_cache.default,
+                          (torch.randn(5, 2, 64, device=DEV), torch.randn(5, 2, 64, device=DEV),
+                           kc, vc, torch.tensor([3, 17, -1, 40, 63], device=DEV),
+                           pg.k_scale, pg.v_scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_graph_chunked_prefill_replay_with_inputs_changed_in_place(dtype, fp8):
+    # One captured chunked-prefill step (cache write of the chunk, causal attention with
+    # query_start_loc), replayed with seq_lens, query_start_loc and slot_mapping changed in place
+    # (same number of sequences and query tokens): the graph's work split stays valid.
+    bs, H, Hkv, D = 16, 8, 2, 64
+    capacity = [400, 80, 700]
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    if fp8:
+        pg = fp8_paged(capacity, Hkv, D, bs, cache_dtype, seed=31)
+        scales = dict(k_scale=pg.k_scale, v_scale=pg.v_scale)
+    else:
+        pg = make_paged(capacity, Hkv, D, bs, dtype, device=DEV, seed=31)
+        scales = {}
+    kc, vc, bt = pg.key_cache, pg.value_cache, pg.block_tables
+    steps = [([40, 0, 300], [16, 30, 5]), ([56, 30, 305], [10, 20, 21]), ([0, 50, 0], [1, 30, 20]),
+             ([300, 0, 600], [51, 0, 0])]
+    T = 51
+    assert all(sum(c) == T for _, c in steps)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(T, H, D, generator=g).to(dtype).to(DEV)
+    k = torch.randn(T, Hkv, D, generator=g).to(dtype).to(DEV)
+    v = torch.randn(T, Hkv, D, generator=g).to(dtype).to(DEV)
+    slots = torch.zeros(T, dtype=torch.int64, device=DEV)
+    sl = torch.zeros(3, dtype=torch.int32, device=DEV)
+    qsl = torch.zeros(4, dtype=torch.int32, device=DEV)
+    scale = D ** -0.5
+
+    def set_step(prefix, chunk):
+        s_list = []
+        for s, (p, c) in enumerate(zip(prefix, chunk)):
+            s_list += [int(bt[s, pos // bs]) * bs + pos % bs for pos in range(p, p + c)]
+        slots.copy_(torch.tensor(s_list))
+        sl.copy_(torch.tensor([p + c for p, c in zip(prefix, chunk)], dtype=torch.int32))
+        qsl.copy_(qsl_of(chunk, device="cpu"))
+
+    def body():
+        paged_ops.reshape_and_cache(k, v, kc, vc, slots, **scales)
+        return paged_ops.paged_attention(q, kc, vc, bt, sl, scale, query_start_loc=qsl, **scales)
+
+    set_step(*steps[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = body()
+    for i, (prefix, chunk) in enumerate(steps):
+        set_step(prefix, chunk)
+        q.normal_()
+        k.normal_()
+        v.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = static_out.clone()
+        eager = body()  # rewrites the same slots with the same values
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, eager, atol=0, rtol=0, msg=f"replay {i}")
+        with one_thread():
+            want = ref.attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), sl.cpu(), scale,
+                                 k_scale=_cpu(scales.get("k_scale")),
+                                 v_scale=_cpu(scales.get("v_scale")), query_start_loc=qsl.cpu())
         torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])

@@ -21,6 +21,12 @@
 // vectors per value row of a block), so one warp instruction reads 512 contiguous bytes of the
 // value block; the probabilities come from a per-warp shared buffer.
 //
+// fp8 caches (CT = __nv_fp8_e4m3 / __nv_fp8_e5m2, x = 16): the query's dtype is then a run-time
+// choice (QT = QAny, read from p.dtype: it only matters when the query is loaded and the output
+// stored). k_scale is folded into the query scale and v_scale into the output (or into the
+// split-K partial outputs), both read from device memory by the kernel. Values are read 8 per
+// lane (8-byte loads), so that block size 8 works and the registers match a 16-bit cache.
+//
 // Masking is by position and always by selection, never by multiplying with a zero weight:
 // positions >= L (unwritten slots of the last block), before the sliding window, and blocks
 // whose id is out of [0, num_blocks) get z = -inf, p = 0 and V lanes replaced by 0, so NaN/Inf
@@ -29,22 +35,58 @@
 // beyond the table are never read.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/common.cuh"
 #include "cuda/launch.cuh"
 
 namespace paged::gpu {
 
-template <typename T, int D, int BS, int GT>
+// Query / output element access: QT is the element type, or QAny for a run-time dtype.
+struct QAny {};
+
+template <typename QT>
+struct QueryIO {
+  __device__ __forceinline__ static float load(const void* base, int64_t i, DType) {
+    return Elem<QT>::to_float(static_cast<const QT*>(base)[i]);
+  }
+  __device__ __forceinline__ static void store(void* base, int64_t i, float v, DType) {
+    static_cast<QT*>(base)[i] = Elem<QT>::from_float(v);
+  }
+};
+
+template <>
+struct QueryIO<QAny> {
+  __device__ __forceinline__ static float load(const void* base, int64_t i, DType dt) {
+    switch (dt) {
+      case DType::F16: return QueryIO<__half>::load(base, i, dt);
+      case DType::BF16: return QueryIO<__nv_bfloat16>::load(base, i, dt);
+      default: return QueryIO<float>::load(base, i, dt);
+    }
+  }
+  __device__ __forceinline__ static void store(void* base, int64_t i, float v, DType dt) {
+    switch (dt) {
+      case DType::F16: QueryIO<__half>::store(base, i, v, dt); break;
+      case DType::BF16: QueryIO<__nv_bfloat16>::store(base, i, v, dt); break;
+      default: QueryIO<float>::store(base, i, v, dt); break;
+    }
+  }
+};
+
+template <typename QT, typename CT, int D, int BS, int GT>
 __global__ void __launch_bounds__(kAttnThreads)
     decode_attention_kernel(const __grid_constant__ AttentionParams p) {
-  using E = Elem<T>;
+  using E = Elem<CT>;
+  using Q = QueryIO<QT>;
+  constexpr bool kFp8 = E::kFp8;
   constexpr int X = E::kX;             // elements per 16-byte vector (the layout's x)
+  constexpr int VX = E::kVX;           // elements per value load (x; 8 for fp8)
   constexpr int NC = D / X;            // key vectors per token
   constexpr int TB = kTileTokens / BS; // blocks per 32-token tile
-  constexpr int VPR = BS / X;          // value vectors per row of one block
+  constexpr int VPR = BS / VX;         // value vectors per row of one block
   constexpr int R = 32 / VPR;          // value rows covered by one warp instruction
   constexpr int NDL = (D + R - 1) / R; // value rows per lane
-  static_assert(D % X == 0 && BS % X == 0 && kTileTokens % BS == 0, "unsupported shape");
+  static_assert(D % X == 0 && BS % VX == 0 && kTileTokens % BS == 0, "unsupported shape");
   static_assert(GT * D <= 1024 && GT * NDL <= 64, "group tile too large for registers/smem");
 
   __shared__ __align__(16) float q_s[GT][D];                         // scaled query, fp32
@@ -76,12 +118,18 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t tile_lo = max(part_begin, win_start) / kTileTokens;
   const int64_t tile_hi = (part_end + kTileTokens - 1) / kTileTokens;
 
-  const T* q = static_cast<const T*>(p.query) + s * p.q_stride_seq;
+  // (scale q) . (k_scale k) = (scale k_scale q) . k for fp8 caches.
+  float qscale = p.scale;
+  if constexpr (kFp8) qscale *= __ldg(p.k_scale);
+  const int64_t q0 = s * p.q_stride_seq;
   for (int i = tid; i < GT * D; i += kAttnThreads) {
     const int g = i / D;
     const int d = i - g * D;
     float v = 0.f;  // padding heads get a zero query; their results are never stored
-    if (g < gv) v = E::to_float(q[static_cast<int64_t>(h0 + g) * p.q_stride_head + d]) * p.scale;
+    if (g < gv) {
+      v = Q::load(p.query, q0 + static_cast<int64_t>(h0 + g) * p.q_stride_head + d, p.dtype) *
+          qscale;
+    }
     q_s[g][d] = v;
   }
   const bool has_alibi = p.alibi_slopes != nullptr;
@@ -105,12 +153,12 @@ __global__ void __launch_bounds__(kAttnThreads)
     for (int k = 0; k < NDL; ++k) acc[g][k] = 0.f;
   }
 
-  const int tv = lane % VPR;  // value vector (tokens tv*X .. tv*X+X-1 of a block)
+  const int tv = lane % VPR;  // value vector (tokens tv*VX .. tv*VX+VX-1 of a block)
   const int r0 = lane / VPR;  // first value row
   const int tt = lane % BS;   // key token offset in its block
   const int64_t head_off = static_cast<int64_t>(kvh) * D * BS;
-  const T* kc = static_cast<const T*>(p.key_cache);
-  const T* vc = static_cast<const T*>(p.value_cache);
+  const CT* kc = static_cast<const CT*>(p.key_cache);
+  const CT* vc = static_cast<const CT*>(p.value_cache);
   const int32_t* bt = p.block_tables + s * p.bt_stride_seq;
 
   for (int64_t ti = tile_lo + warp; ti < tile_hi; ti += kAttnWarps) {
@@ -131,7 +179,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
     for (int g = 0; g < GT; ++g) z[g][0] = z[g][1] = 0.f;
     if (blk >= 0) {
-      const T* kp = kc + static_cast<int64_t>(blk) * p.k_stride_block + head_off + tt * X;
+      const CT* kp = kc + static_cast<int64_t>(blk) * p.k_stride_block + head_off + tt * X;
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         float kf[X];
@@ -184,12 +232,12 @@ __global__ void __launch_bounds__(kAttnThreads)
       if (vblk < 0) continue;  // warp-uniform: block not visible or id out of range
       const int64_t tb = t0 + b * BS;  // position of the block's first token
       const bool full = tb >= win_start && tb + BS <= L;
-      float pv[GT][X];
+      float pv[GT][VX];
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
-        const float4* pp = reinterpret_cast<const float4*>(&p_s[warp][g][b * BS + tv * X]);
+        const float4* pp = reinterpret_cast<const float4*>(&p_s[warp][g][b * BS + tv * VX]);
 #pragma unroll
-        for (int j = 0; j < X / 4; ++j) {
+        for (int j = 0; j < VX / 4; ++j) {
           const float4 v4 = pp[j];
           pv[g][4 * j + 0] = v4.x;
           pv[g][4 * j + 1] = v4.y;
@@ -197,18 +245,22 @@ __global__ void __launch_bounds__(kAttnThreads)
           pv[g][4 * j + 3] = v4.w;
         }
       }
-      const T* vp = vc + static_cast<int64_t>(vblk) * p.v_stride_block + head_off + tv * X;
+      const CT* vp = vc + static_cast<int64_t>(vblk) * p.v_stride_block + head_off + tv * VX;
 #pragma unroll
       for (int k = 0; k < NDL; ++k) {
         const int d = r0 + k * R;
         if ((D % R) == 0 || d < D) {
-          float vf[X];
-          E::unpack(ld_nc16(vp + d * BS), vf);
+          float vf[VX];
+          if constexpr (kFp8) {
+            E::unpack8(ld_nc8(vp + d * BS), vf);
+          } else {
+            E::unpack(ld_nc16(vp + d * BS), vf);
+          }
           if (!full) {
             // Select, never multiply: 0 * NaN would still be NaN.
 #pragma unroll
-            for (int i = 0; i < X; ++i) {
-              const int64_t tp = tb + tv * X + i;
+            for (int i = 0; i < VX; ++i) {
+              const int64_t tp = tb + tv * VX + i;
               vf[i] = (tp >= win_start && tp < L) ? vf[i] : 0.f;
             }
           }
@@ -216,7 +268,7 @@ __global__ void __launch_bounds__(kAttnThreads)
           for (int g = 0; g < GT; ++g) {
             float a = acc[g][k];
 #pragma unroll
-            for (int i = 0; i < X; ++i) a = fmaf(pv[g][i], vf[i], a);
+            for (int i = 0; i < VX; ++i) a = fmaf(pv[g][i], vf[i], a);
             acc[g][k] = a;
           }
         }
@@ -255,7 +307,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   __syncthreads();
 
   const bool split = p.num_partitions > 1;
-  T* out = static_cast<T*>(p.out);
+  float vscale = 1.f;
+  if constexpr (kFp8) vscale = __ldg(p.v_scale);
   for (int i = tid; i < GT * D; i += kAttnThreads) {
     const int g = i / D;
     const int d = i - g * D;
@@ -275,6 +328,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         }
       }
     }
+    if constexpr (kFp8) o *= vscale;  // (sum_t p_t v_scale v_t) = v_scale (sum_t p_t v_t)
     const int64_t h = h0 + g;
     if (split) {
       const int64_t row = (s * p.num_heads + h) * p.num_partitions + part;
@@ -284,7 +338,8 @@ __global__ void __launch_bounds__(kAttnThreads)
         p.tmp_sum[row] = l;
       }
     } else {
-      out[s * p.out_stride_seq + h * p.out_stride_head + d] = E::from_float(l > 0.f ? o / l : 0.f);
+      Q::store(p.out, s * p.out_stride_seq + h * p.out_stride_head + d, l > 0.f ? o / l : 0.f,
+               p.dtype);
     }
   }
 }
@@ -303,7 +358,8 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
   return r;
 }
 
-// Split-K merge: one CTA per (sequence, query head).
+// Split-K merge: one CTA per (sequence, query head) (per (query token, query head) for the
+// multi-token kernel, which stores its partitions in the same layout).
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
     decode_reduce_kernel(const __grid_constant__ AttentionParams p) {
@@ -342,55 +398,79 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
-template <typename T, int D, int BS, int GT>
+// The split-K merge for an output of the query's dtype (QT, or p.dtype for QAny), over `rows`
+// query rows (sequences for decode, tokens for the multi-token kernel).
+template <typename QT>
+cudaError_t launch_split_reduce(const AttentionParams& p, int64_t rows, cudaStream_t stream) {
+  const dim3 rgrid(static_cast<unsigned>(rows), static_cast<unsigned>(p.num_heads));
+  if constexpr (std::is_same_v<QT, QAny>) {
+    switch (p.dtype) {
+      case DType::F16: decode_reduce_kernel<__half><<<rgrid, kReduceThreads, 0, stream>>>(p); break;
+      case DType::BF16:
+        decode_reduce_kernel<__nv_bfloat16><<<rgrid, kReduceThreads, 0, stream>>>(p);
+        break;
+      default: decode_reduce_kernel<float><<<rgrid, kReduceThreads, 0, stream>>>(p); break;
+    }
+  } else {
+    decode_reduce_kernel<QT><<<rgrid, kReduceThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename QT, typename CT, int D, int BS, int GT>
 cudaError_t launch_decode(const AttentionParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_seqs),
                   static_cast<unsigned>(p.num_kv_heads * p.num_tiles),
                   static_cast<unsigned>(p.num_partitions));
-  decode_attention_kernel<T, D, BS, GT><<<grid, kAttnThreads, 0, stream>>>(p);
+  decode_attention_kernel<QT, CT, D, BS, GT><<<grid, kAttnThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_partitions <= 1) return err;
-  const dim3 rgrid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_heads));
-  decode_reduce_kernel<T><<<rgrid, kReduceThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_split_reduce<QT>(p, p.num_seqs, stream);
 }
 
-template <typename T, int D, int BS>
+// Group tiles instantiated per (cache type, head size, block size): 1 up to max_group_tile
+// (plan_attention never asks for more).
+template <typename QT, typename CT, int D, int BS>
 cudaError_t launch_decode_gt(const AttentionParams& p, cudaStream_t stream) {
-  constexpr int kGtMax = max_group_tile(static_cast<int>(sizeof(T)), D, BS);
+  constexpr int kElemSize = Elem<CT>::kFp8 ? 2 : static_cast<int>(sizeof(CT));
+  constexpr int kGtMax = max_group_tile(kElemSize, D, BS);
   switch (p.group_tile) {
-    case 1: return launch_decode<T, D, BS, 1>(p, stream);
-    case 2: if constexpr (kGtMax >= 2) return launch_decode<T, D, BS, 2>(p, stream); break;
-    case 4: if constexpr (kGtMax >= 4) return launch_decode<T, D, BS, 4>(p, stream); break;
-    case 8: if constexpr (kGtMax >= 8) return launch_decode<T, D, BS, 8>(p, stream); break;
+    case 1: return launch_decode<QT, CT, D, BS, 1>(p, stream);
+    case 2: if constexpr (kGtMax >= 2) return launch_decode<QT, CT, D, BS, 2>(p, stream); break;
+    case 4: if constexpr (kGtMax >= 4) return launch_decode<QT, CT, D, BS, 4>(p, stream); break;
+    case 8: if constexpr (kGtMax >= 8) return launch_decode<QT, CT, D, BS, 8>(p, stream); break;
     default: break;
   }
   return cudaErrorInvalidValue;  // a plan the host never makes
 }
 
-template <typename T, int D>
+template <typename QT, typename CT, int D>
 cudaError_t launch_decode_bs(const AttentionParams& p, cudaStream_t stream) {
   switch (p.block_size) {
-    case 8: return launch_decode_gt<T, D, 8>(p, stream);
-    case 16: return launch_decode_gt<T, D, 16>(p, stream);
-    case 32: return launch_decode_gt<T, D, 32>(p, stream);
+    case 8: return launch_decode_gt<QT, CT, D, 8>(p, stream);
+    case 16: return launch_decode_gt<QT, CT, D, 16>(p, stream);
+    case 32: return launch_decode_gt<QT, CT, D, 32>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-// Head sizes and block sizes: the lists of checks.cpp cuda_head_sizes() / cuda_block_sizes().
-template <typename T>
+// Head sizes and block sizes: the lists of checks.cpp cuda_head_sizes() / cuda_block_sizes()
+// (fp8 caches: the head sizes of that list that are multiples of x = 16, i.e. all but 120,
+// which the fp8 key layout cannot express).
+template <typename QT, typename CT>
 cudaError_t launch_decode_any(const AttentionParams& p, cudaStream_t stream) {
   switch (p.head_size) {
-    case 32: return launch_decode_bs<T, 32>(p, stream);
-    case 64: return launch_decode_bs<T, 64>(p, stream);
-    case 80: return launch_decode_bs<T, 80>(p, stream);
-    case 96: return launch_decode_bs<T, 96>(p, stream);
-    case 112: return launch_decode_bs<T, 112>(p, stream);
-    case 120: return launch_decode_bs<T, 120>(p, stream);
-    case 128: return launch_decode_bs<T, 128>(p, stream);
-    case 192: return launch_decode_bs<T, 192>(p, stream);
-    case 256: return launch_decode_bs<T, 256>(p, stream);
+    case 32: return launch_decode_bs<QT, CT, 32>(p, stream);
+    case 64: return launch_decode_bs<QT, CT, 64>(p, stream);
+    case 80: return launch_decode_bs<QT, CT, 80>(p, stream);
+    case 96: return launch_decode_bs<QT, CT, 96>(p, stream);
+    case 112: return launch_decode_bs<QT, CT, 112>(p, stream);
+    case 120:
+      if constexpr (!Elem<CT>::kFp8) return launch_decode_bs<QT, CT, 120>(p, stream);
+      return cudaErrorInvalidValue;
+    case 128: return launch_decode_bs<QT, CT, 128>(p, stream);
+    case 192: return launch_decode_bs<QT, CT, 192>(p, stream);
+    case 256: return launch_decode_bs<QT, CT, 256>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

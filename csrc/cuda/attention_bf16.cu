@@ -5,7 +5,7 @@
 namespace paged::gpu {
 
 cudaError_t launch_attention_bf16(const AttentionParams& p, cudaStream_t stream) {
-  return launch_decode_any<__nv_bfloat16>(p, stream);
+  return launch_decode_any<__nv_bfloat16, __nv_bfloat16>(p, stream);
 }
 
 }  // namespace paged::gpu

@@ -5,7 +5,7 @@
 namespace paged::gpu {
 
 cudaError_t launch_attention_f16(const AttentionParams& p, cudaStream_t stream) {
-  return launch_decode_any<__half>(p, stream);
+  return launch_decode_any<__half, __half>(p, stream);
 }
 
 }  // namespace paged::gpu

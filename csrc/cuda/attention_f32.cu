@@ -5,7 +5,7 @@
 namespace paged::gpu {
 
 cudaError_t launch_attention_f32(const AttentionParams& p, cudaStream_t stream) {
-  return launch_decode_any<float>(p, stream);
+  return launch_decode_any<float, float>(p, stream);
 }
 
 }  // namespace paged::gpu

@@ -10,7 +10,9 @@
 
 namespace paged::gpu {
 
-enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+// Query / output dtypes are F32, F16, BF16; caches may also be fp8 (torch.float8_e4m3fn,
+// torch.float8_e5m2).
+enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2, F8E4M3 = 3, F8E5M2 = 4 };
 
 // ---------------------------------------------------------------------------------------------
 // Decode attention
@@ -27,7 +29,13 @@ constexpr int kMaxGroupTile = 8;
 // Largest group tile (query heads of one GQA group handled together by one CTA) the decode
 // kernel is instantiated with for (element size, head size, block size). Bounds the per-lane
 // fp32 output accumulators (gt * D * vectors_per_value_row / 32 <= 64 registers) and the CTA
-// merge buffer (kAttnWarps * gt * D floats <= 16 KB).
+// merge buffer (kAttnWarps * gt * D floats <= 16 KB). fp8 caches count as element size 2: the
+// kernel reads their values 8 at a time, as many per lane as for a 16-bit cache
+// (plan_elem_size).
+constexpr int plan_elem_size(DType cache_dtype) {
+  return cache_dtype == DType::F32 ? 4 : 2;
+}
+
 constexpr int max_group_tile(int elem_size, int head_size, int block_size) {
   const int vpr = block_size * elem_size / 16;  // 16-byte vectors per value row of a block
   int gt = kMaxGroupTile;
@@ -62,10 +70,26 @@ struct AttentionParams {
   int32_t num_partitions;   // split-K partitions per sequence (1: no reduce kernel)
   int64_t partition_tokens; // multiple of kPartitionUnit
   // Split-K scratch (num_partitions > 1): [num_seqs, num_heads, num_partitions] (x head_size).
-  float* tmp_out;  // unnormalised partial outputs, fp32
+  // Multi-token: [num_tokens, num_heads, num_partitions] (x head_size).
+  float* tmp_out;  // unnormalised partial outputs, fp32 (times v_scale for fp8 caches)
   float* tmp_max;  // running max per partition (-inf: the partition saw nothing)
   float* tmp_sum;  // softmax denominator per partition, relative to its max
-  DType dtype;
+  DType dtype;        // query and output
+  DType cache_dtype;  // == dtype, or an fp8 format
+  // fp8 caches: one-element fp32 device tensors, read by the kernels (real = stored * scale);
+  // null otherwise.
+  const float* k_scale;
+  const float* v_scale;
+  // Several query tokens per sequence (null: decode): sequence s owns query rows
+  // [qsl[s], qsl[s + 1]), clamped on the device to [0, num_tokens].
+  const int32_t* query_start_loc;
+  int64_t qsl_stride;
+  int64_t num_tokens;        // query rows (num_seqs for decode)
+  // Multi-token work split (plan_multi_token).
+  int32_t mt_tokens_per_tile;  // query tokens of one sequence per CTA (TQ)
+  int32_t mt_heads_per_tile;   // query heads of one GQA group per CTA (GH)
+  int32_t mt_group_tiles;      // CTAs per kv head along the GQA group
+  int64_t mt_virtual_tiles;    // grid.x: num_tokens / TQ + num_seqs (see multi_token.cuh)
 };
 
 struct AttentionPlan {
@@ -99,9 +123,68 @@ inline AttentionPlan plan_attention(int elem_size, int64_t num_seqs, int num_hea
   return p;
 }
 
+// Decode kernels, by cache dtype (query dtype = cache dtype; any query dtype for fp8 caches).
 cudaError_t launch_attention_f32(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_attention_f16(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_attention_bf16(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_attention_e4m3(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_attention_e5m2(const AttentionParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Attention with several query tokens per sequence (multi_token.cuh)
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kMultiThreads = 128;           // 4 warps
+constexpr int kMultiKeyTile = 32;            // key positions per step
+constexpr int kMultiPartitionUnit = 256;     // split-K partitions are multiples of this
+
+// Query rows (tokens x heads of one GQA group) per CTA: 16 per warp up to head size 128, 8 above
+// (the per-lane output accumulators are 4 rows x head_size / 8 or / 16 floats).
+constexpr int multi_rows_per_cta(int head_size) { return head_size <= 128 ? 64 : 32; }
+
+struct MultiTokenPlan {
+  int32_t tokens_per_tile, heads_per_tile, group_tiles, num_partitions;
+  int64_t virtual_tiles, partition_tokens;
+};
+
+// Work split from host-known sizes only. A CTA takes TQ consecutive query tokens of ONE sequence
+// times GH heads of one GQA group (TQ * GH <= rows per CTA). Sequence s gets the "virtual tiles"
+// [v(s), v(s + 1)) with v(s) = qsl[s] / TQ + s: at least ceil(q_len / TQ) of them whatever the
+// q_lens (v(s + 1) - v(s) = floor(qsl[s + 1] / TQ) - floor(qsl[s] / TQ) + 1), so the grid
+// num_tokens / TQ + num_seqs is known on the host and each CTA finds its sequence by a binary
+// search over query_start_loc; the at most one or two surplus tiles per sequence exit at once.
+// Partitions split the key range when the grid is small (few query tokens, long contexts).
+inline MultiTokenPlan plan_multi_token(int64_t num_tokens, int64_t num_seqs, int num_heads,
+                                       int num_kv_heads, int head_size, int64_t max_len,
+                                       int num_sms) {
+  MultiTokenPlan p{};
+  const int rows = multi_rows_per_cta(head_size);
+  const int group = num_heads / num_kv_heads;
+  p.group_tiles = (group + rows - 1) / rows;
+  p.heads_per_tile = (group + p.group_tiles - 1) / p.group_tiles;
+  p.tokens_per_tile = rows / p.heads_per_tile;
+  p.virtual_tiles = num_tokens / p.tokens_per_tile + num_seqs;
+  const int64_t busy = ((num_tokens + p.tokens_per_tile - 1) / p.tokens_per_tile) *
+                       num_kv_heads * static_cast<int64_t>(p.group_tiles);
+  const int64_t units =
+      max_len > 0 ? (max_len + kMultiPartitionUnit - 1) / kMultiPartitionUnit : 1;
+  const int64_t target = 2 * static_cast<int64_t>(num_sms > 0 ? num_sms : 1);
+  int64_t parts = busy > 0 ? (target + busy - 1) / busy : 1;
+  if (parts > units) parts = units;
+  if (parts > kMaxPartitions) parts = kMaxPartitions;
+  if (parts < 1) parts = 1;
+  const int64_t units_per_part = (units + parts - 1) / parts;
+  p.partition_tokens = units_per_part * kMultiPartitionUnit;
+  p.num_partitions = static_cast<int32_t>((units + units_per_part - 1) / units_per_part);
+  return p;
+}
+
+// Multi-token kernels, by cache dtype (the query dtype is read from AttentionParams::dtype).
+cudaError_t launch_multi_f32(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_multi_f16(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_multi_bf16(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_multi_e4m3(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_multi_e5m2(const AttentionParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Cache write and block copies
@@ -119,8 +202,14 @@ struct CacheWriteParams {
   int64_t num_tokens;  // slot_mapping.size(0)
   int64_t num_slots;   // num_blocks * block_size: larger slots are skipped on the device
   int32_t num_kv_heads, head_size, block_size;
-  int32_t elem_size;   // 2 or 4
+  int32_t elem_size;   // of key / value: 2 or 4
   bool vectorized;     // every key/value/key_cache address and stride is 16-byte aligned
+  // fp8 caches: key / value are quantised to round(x / scale) (fp32 division, saturated to the
+  // format's largest finite value, round-to-nearest-even); otherwise the bits are copied.
+  DType cache_dtype;   // F8E4M3 / F8E5M2, or the dtype of key (plain copy)
+  DType in_dtype;      // dtype of key / value
+  const float* k_scale;  // device, one element (fp8 only)
+  const float* v_scale;
 };
 
 cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream);

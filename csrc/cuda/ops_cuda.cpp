@@ -38,6 +38,8 @@ DType to_dtype(c10::ScalarType t) {
     case at::kFloat: return DType::F32;
     case at::kHalf: return DType::F16;
     case at::kBFloat16: return DType::BF16;
+    case at::kFloat8_e4m3fn: return DType::F8E4M3;
+    case at::kFloat8_e5m2: return DType::F8E5M2;
     default: TORCH_CHECK(false, "unsupported dtype ", t);  // unreachable after the checks
   }
 }
@@ -74,13 +76,20 @@ int sm_count(int device) {
   return n;
 }
 
+// One-element fp32 scale tensor on the caches' device (checked): the kernels read it.
+const float* scale_ptr(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
 void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double logits_soft_cap, std::optional<int64_t> max_seq_len,
-                    const AttentionDims& d) {
-  if (d.num_seqs == 0) return;
+                    double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale,
+                    std::optional<int64_t> max_seq_len,
+                    const std::optional<at::Tensor>& query_start_loc, const AttentionDims& d) {
+  if (d.num_seqs == 0 || d.num_tokens == 0) return;
   check_cuda(query, "query");
   check_cache_alignment(key_cache, "key_cache");
   check_cache_alignment(value_cache, "value_cache");
@@ -118,10 +127,57 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   if (max_seq_len.has_value() && *max_seq_len < max_len) max_len = *max_seq_len;
   p.max_len = max_len;
   p.dtype = to_dtype(query.scalar_type());
-
+  p.cache_dtype = to_dtype(key_cache.scalar_type());
+  if (is_fp8(key_cache.scalar_type())) {  // scales of other caches are ignored
+    p.k_scale = scale_ptr(k_scale);
+    p.v_scale = scale_ptr(v_scale);
+  }
+  p.num_tokens = d.num_tokens;
   const int device = query.device().index();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+
+  if (d.multi_token) {
+    const at::Tensor& qsl = *query_start_loc;
+    p.query_start_loc = qsl.data_ptr<int32_t>();
+    p.qsl_stride = qsl.stride(0);
+    const MultiTokenPlan mp = plan_multi_token(d.num_tokens, d.num_seqs, p.num_heads,
+                                               p.num_kv_heads, p.head_size, max_len,
+                                               sm_count(device));
+    p.mt_tokens_per_tile = mp.tokens_per_tile;
+    p.mt_heads_per_tile = mp.heads_per_tile;
+    p.mt_group_tiles = mp.group_tiles;
+    p.mt_virtual_tiles = mp.virtual_tiles;
+    p.num_partitions = mp.num_partitions;
+    p.partition_tokens = mp.partition_tokens;
+    TORCH_CHECK(mp.virtual_tiles <= INT32_MAX,
+                "too many query tokens / sequences for one launch of the CUDA kernel");
+    TORCH_CHECK(static_cast<int64_t>(p.num_kv_heads) * mp.group_tiles <= 65535 &&
+                    p.num_heads <= 65535,
+                "too many heads for the CUDA multi-token kernel's grid (num_heads = ",
+                p.num_heads, ")");
+    at::Tensor scratch;
+    if (p.num_partitions > 1) {
+      // [num_tokens, num_heads, num_partitions] x (head_size outputs + max + sum), fp32.
+      const int64_t rows = d.num_tokens * d.num_heads * p.num_partitions;
+      scratch = at::empty({rows * (p.head_size + 2)}, query.options().dtype(at::kFloat));
+      p.tmp_out = scratch.data_ptr<float>();
+      p.tmp_max = p.tmp_out + rows * p.head_size;
+      p.tmp_sum = p.tmp_max + rows;
+    }
+    cudaError_t err = cudaErrorInvalidValue;
+    switch (p.cache_dtype) {
+      case DType::F32: err = launch_multi_f32(p, stream); break;
+      case DType::F16: err = launch_multi_f16(p, stream); break;
+      case DType::BF16: err = launch_multi_bf16(p, stream); break;
+      case DType::F8E4M3: err = launch_multi_e4m3(p, stream); break;
+      case DType::F8E5M2: err = launch_multi_e5m2(p, stream); break;
+    }
+    C10_CUDA_CHECK(err);
+    return;
+  }
+
   const AttentionPlan plan = plan_attention(
-      static_cast<int>(query.element_size()), d.num_seqs, p.num_heads, p.num_kv_heads,
+      plan_elem_size(p.cache_dtype), d.num_seqs, p.num_heads, p.num_kv_heads,
       p.head_size, p.block_size, max_len, sm_count(device));
   p.group_tile = plan.group_tile;
   p.num_tiles = plan.num_tiles;
@@ -141,12 +197,13 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
     p.tmp_sum = p.tmp_max + rows;
   }
 
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   cudaError_t err = cudaErrorInvalidValue;
-  switch (p.dtype) {
+  switch (p.cache_dtype) {
     case DType::F32: err = launch_attention_f32(p, stream); break;
     case DType::F16: err = launch_attention_f16(p, stream); break;
     case DType::BF16: err = launch_attention_bf16(p, stream); break;
+    case DType::F8E4M3: err = launch_attention_e4m3(p, stream); break;
+    case DType::F8E5M2: err = launch_attention_e5m2(p, stream); break;
   }
   C10_CUDA_CHECK(err);
 }
@@ -159,15 +216,14 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const std::optional<at::Tensor>& v_scale,
                      std::optional<int64_t> max_seq_len,
                      const std::optional<at::Tensor>& query_start_loc) {
-  // The shared checks reject query_start_loc (several query tokens per sequence) and fp8
-  // caches for Backend::CUDA: this kernel is the decode one.
   const AttentionDims d =
       check_attention(Backend::CUDA, nullptr, query, key_cache, value_cache, block_tables,
                       seq_lens, scale, alibi_slopes, sliding_window, logits_soft_cap, k_scale,
                       v_scale, max_seq_len, query_start_loc);
   at::Tensor out = at::empty(query.sizes(), query.options());
   attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                 sliding_window, logits_soft_cap, max_seq_len, d);
+                 sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
+                 query_start_loc, d);
   return out;
 }
 
@@ -183,7 +239,8 @@ void attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                       scale, alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale,
                       max_seq_len, query_start_loc);
   attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                 sliding_window, logits_soft_cap, max_seq_len, d);
+                 sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
+                 query_start_loc, d);
 }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -215,6 +272,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   p.head_size = static_cast<int32_t>(d.cache.head_size);
   p.block_size = static_cast<int32_t>(d.cache.block_size);
   p.elem_size = static_cast<int32_t>(es);
+  p.in_dtype = to_dtype(key.scalar_type());
+  p.cache_dtype = to_dtype(key_cache.scalar_type());
+  if (is_fp8(key_cache.scalar_type())) {
+    p.k_scale = scale_ptr(k_scale);
+    p.v_scale = scale_ptr(v_scale);
+  }
   // 16-byte key/value loads and key stores need every address of a chunk aligned: the bases and
   // the token/head strides (the chunk offsets inside a row are multiples of 16 bytes).
   auto stride_ok = [es](int64_t stride) { return (stride * es) % 16 == 0; };

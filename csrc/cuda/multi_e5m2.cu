@@ -1,0 +1,11 @@
+// Multi-token attention (query_start_loc) instantiations for __nv_fp8_e5m2 caches, one per head size; the
+// block size and the query dtype are run-time parameters of the kernel.
+#include "cuda/multi_token.cuh"
+
+namespace paged::gpu {
+
+cudaError_t launch_multi_e5m2(const AttentionParams& p, cudaStream_t stream) {
+  return launch_multi_any<__nv_fp8_e5m2>(p, stream);
+}
+
+}  // namespace paged::gpu
