@@ -205,6 +205,104 @@ def plot(rows, bw, path):
     print(f"wrote {path}")
 
 
+# ---- CUDA: multi-token (chunked prefill) and fp8 rows (--multi-token) -------------------------
+
+
+def bench_cuda_multi_token_fp8_rows(bw):
+    """CUDA rows for query_start_loc and fp8 caches: a chunked-prefill step (8 sequences x 512
+    new tokens over 4096 cached ones, causal), decode tokens through the multi-token kernel
+    (against the decode kernel), and fp8 decode (against a bf16 cache of the same shape).
+    32 query / 8 kv heads, head size 128, block size 16, bf16 queries."""
+    dev = "cuda"
+    H, Hkv, D, bs = 32, 8, 128, 16
+    scale = D**-0.5
+    rows = []
+
+    def caches(num_seqs, L, dtype, seed=0):
+        torch.manual_seed(seed)
+        per = (L + bs - 1) // bs
+        nb = num_seqs * per + 64
+        kc, vc = paged_ops.allocate_kv_cache(nb, Hkv, D, bs, dtype, dev)
+        kc.copy_(torch.randn(kc.shape, device=dev).to(dtype))
+        vc.copy_(torch.randn(vc.shape, device=dev).to(dtype))
+        bt = torch.randperm(nb, device=dev)[: num_seqs * per].view(num_seqs, per).int()
+        sl = torch.full((num_seqs,), L, dtype=torch.int32, device=dev)
+        ks, vs = kv_scales(kc)
+        return kc, vc, bt, sl, ks, vs
+
+    def attn(q, kc, vc, bt, sl, ks, vs, L, qsl=None, out=None):
+        out = torch.empty_like(q) if out is None else out
+        torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, scale, None, -1, 0.0, ks, vs, L,
+                                      qsl)
+        return out
+
+    # Chunked prefill: causal FLOPs 4 * D * sum of visible positions, per (row, head).
+    for dname, cdtype in (("bf16", torch.bfloat16), ("fp8e4m3", torch.float8_e4m3fn)):
+        B, chunk, cached = 8, 512, 4096
+        L = cached + chunk
+        kc, vc, bt, sl, ks, vs = caches(B, L, cdtype)
+        q = torch.randn(B * chunk, H, D, device=dev).to(torch.bfloat16)
+        qsl = torch.arange(0, B * chunk + 1, chunk, dtype=torch.int32, device=dev)
+        out = torch.empty_like(q)
+        t = timeit(lambda: attn(q, kc, vc, bt, sl, ks, vs, L, qsl, out), dev)
+        visible = B * sum(cached + j + 1 for j in range(chunk))
+        tflops = 4 * D * H * visible / t / 1e12
+        row = dict(device=dev, dtype=dname, case=f"prefill {B}x{chunk} over {cached}",
+                   us=t * 1e6, tflops=tflops)
+        if cdtype == torch.bfloat16:
+            try:  # dense baseline: gathered K/V, SDPA with a bottom-right causal mask
+                from torch.nn.attention.bias import causal_lower_right
+
+                def dense():
+                    k = kc[bt.long()].permute(0, 2, 1, 4, 3, 5).reshape(B, Hkv, -1, D)[:, :, :L]
+                    v = vc[bt.long()].permute(0, 2, 1, 4, 3).reshape(B, Hkv, -1, D)[:, :, :L]
+                    k = k.repeat_interleave(H // Hkv, dim=1)
+                    v = v.repeat_interleave(H // Hkv, dim=1)
+                    qq = q.view(B, chunk, H, D).transpose(1, 2)
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qq, k, v, attn_mask=causal_lower_right(chunk, L))
+
+                tb = timeit(dense, dev, min_time=0.2, min_reps=2)
+                err = (dense().transpose(1, 2).reshape_as(out).float() - out.float()).abs().max()
+                row.update(sdpa_us=tb * 1e6, speedup=tb / t, max_err=err.item())
+            except Exception as e:  # noqa: BLE001 - the baseline is optional
+                print(f"  (dense SDPA baseline unavailable: {e})")
+        rows.append(row)
+        extra = f"  gather+SDPA {row['sdpa_us']:9.1f} us  x{row['speedup']:5.2f}  err " \
+                f"{row['max_err']:.1e}" if "sdpa_us" in row else ""
+        print(f"  {dname:8s} {row['case']:26s} {t * 1e6:10.1f} us {tflops:7.1f} TFLOP/s{extra}",
+              flush=True)
+
+    # Decode tokens (q_len 1) through the multi-token kernel vs the decode kernel.
+    B, L = 64, 4096
+    kc, vc, bt, sl, ks, vs = caches(B, L, torch.bfloat16, seed=1)
+    q = torch.randn(B, H, D, device=dev).to(torch.bfloat16)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    t_multi = timeit(lambda: attn(q, kc, vc, bt, sl, ks, vs, L, qsl), dev)
+    t_dec = timeit(lambda: attn(q, kc, vc, bt, sl, ks, vs, L), dev)
+    gbs = 2 * B * L * Hkv * D * 2 / t_multi / 1e9
+    rows.append(dict(device=dev, dtype="bf16", case=f"q_len 1 x {B} over {L} (multi)",
+                     us=t_multi * 1e6, gbs=gbs, frac_bw=gbs / bw, decode_us=t_dec * 1e6))
+    print(f"  bf16     q_len 1 x {B} over {L}: multi-token {t_multi * 1e6:9.1f} us "
+          f"({gbs:7.1f} GB/s), decode kernel {t_dec * 1e6:9.1f} us", flush=True)
+
+    # fp8 decode: bytes moved are halved against bf16.
+    for B in (8, 64):
+        times = {}
+        for dname, cdtype in (("bf16", torch.bfloat16), ("fp8e4m3", torch.float8_e4m3fn),
+                              ("fp8e5m2", torch.float8_e5m2)):
+            kc, vc, bt, sl, ks, vs = caches(B, L, cdtype, seed=2)
+            q = torch.randn(B, H, D, device=dev).to(torch.bfloat16)
+            t = timeit(lambda: attn(q, kc, vc, bt, sl, ks, vs, L), dev)
+            times[dname] = t
+            gbs = 2 * B * L * Hkv * D * kc.element_size() / t / 1e9
+            rows.append(dict(device=dev, dtype=dname, case=f"decode B={B} L={L}", us=t * 1e6,
+                             gbs=gbs, frac_bw=gbs / bw, vs_bf16=times["bf16"] / t))
+            print(f"  {dname:8s} decode B={B:<3d} L={L} {t * 1e6:9.1f} us {gbs:8.1f} GB/s "
+                  f"{100 * gbs / bw:5.1f}% of bw  x{times['bf16'] / t:4.2f} vs bf16", flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -213,6 +311,8 @@ def main(argv=None):
     p.add_argument("--csv", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--quick", action="store_true", help="a few rows only")
+    p.add_argument("--multi-token", action="store_true",
+                   help="CUDA only: the multi-token (chunked prefill) and fp8 rows, nothing else")
     a = p.parse_args(argv)
     device = a.device
     if device == "cuda" and not (torch.cuda.is_available() and paged_ops.built_with_cuda()):
@@ -222,7 +322,11 @@ def main(argv=None):
           f"threads {torch.get_num_threads()}, CPU kernel {paged_ops.cpu_kernel_variant()}")
     print(f"read bandwidth: {bw:.1f} GB/s ({how})")
     rows = []
-    if device == "cpu":
+    if a.multi_token:
+        if device != "cuda":
+            sys.exit("--multi-token rows are for --device cuda")
+        rows += bench_cuda_multi_token_fp8_rows(bw)
+    elif device == "cpu":
         dtypes = (a.dtypes or "fp32,fp16,bf16,fp8").split(",")
         shapes = [(8, 2048), (32, 512), (1, 16384)]
         if a.quick:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One-shot check on a fresh machine with a GPU: create the environment (offline, from the
 # machine's configured local wheel index), build the extension for the visible GPU, run the
-# CUDA tests, run the GPU decode benchmark. Everything lands in an output dir:
-#   summary.txt  env.log  build.log  tests.log  bench.log  bench_cuda.csv
+# CUDA tests, run the GPU decode benchmark and the multi-token / fp8 rows. Everything lands in
+# an output dir:
+#   summary.txt  env.log  build.log  tests.log  bench.log  bench_cuda.csv  bench_mt.log
+#   bench_cuda_mt.csv
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]      # default: $OUT if set, else ./gpu_check_out
 #
-# The whole run is bounded by GPU_CHECK_BUDGET_S seconds (default 460, under 8 minutes): each
+# The whole run is bounded by GPU_CHECK_BUDGET_S seconds (default 520, under 9 minutes): each
 # step gets at most its own cap and what is left of the budget. Exit status is non-zero when any
 # step failed; later steps still run so one call collects everything.
 set -euo pipefail
@@ -17,7 +19,7 @@ mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
-BUDGET="${GPU_CHECK_BUDGET_S:-460}"
+BUDGET="${GPU_CHECK_BUDGET_S:-520}"
 START=$(date +%s)
 export PY=.venv/bin/python
 export PYTHONUNBUFFERED=1
@@ -33,7 +35,7 @@ run_step() {
   local left=$((BUDGET - ($(date +%s) - START)))
   ((left < cap)) && cap=$left
   if ((cap < 10)); then
-    say "$(printf '%-6s' "$name") SKIPPED: out of time budget (${BUDGET}s)"
+    say "$(printf '%-8s' "$name") SKIPPED: out of time budget (${BUDGET}s)"
     FAILED=1
     return 0
   fi
@@ -41,7 +43,7 @@ run_step() {
   t0=$(date +%s)
   timeout --kill-after=10 "$cap" bash -euo pipefail -c '"$@"' bash "$@" >"$OUT_DIR/$name.log" 2>&1 \
     || rc=$?
-  say "$(printf '%-6s' "$name") rc=$rc  $(($(date +%s) - t0)) s  (limit ${cap} s)  log: $name.log"
+  say "$(printf '%-8s' "$name") rc=$rc  $(($(date +%s) - t0)) s  (limit ${cap} s)  log: $name.log"
   if ((rc != 0)); then
     FAILED=1
     tail -n 40 "$OUT_DIR/$name.log" | sed 's/^/    | /'
@@ -78,14 +80,22 @@ say "nvcc: $("$CUDA_HOME/bin/nvcc" --version 2>/dev/null | tail -n 1 || echo "no
 
 run_step env 150 setup_env
 run_step build 200 build
-run_step tests 170 "$PY" -m pytest -m cuda tests -q -rfE -p no:cacheprovider --durations=10
+run_step tests 220 "$PY" -m pytest -m cuda tests -q -rfE -p no:cacheprovider --durations=10
 run_step bench 120 "$PY" benchmarks/bench_attention.py --device cuda --csv "$OUT_DIR/bench_cuda.csv"
+# Chunked prefill (8 x 512 new tokens over 4096 cached), decode tokens through the multi-token
+# kernel, fp8 decode.
+run_step bench_mt 60 "$PY" benchmarks/bench_attention.py --device cuda --multi-token \
+  --csv "$OUT_DIR/bench_cuda_mt.csv"
 
 grep -E "passed|failed|error" "$OUT_DIR/tests.log" 2>/dev/null | tail -n 1 | sed 's/^/tests: /' \
   | tee -a "$SUMMARY" || true
 if [ -s "$OUT_DIR/bench.log" ]; then
   echo "--- bench ---" | tee -a "$SUMMARY"
   tee -a "$SUMMARY" <"$OUT_DIR/bench.log"
+fi
+if [ -s "$OUT_DIR/bench_mt.log" ]; then
+  echo "--- bench_mt (multi-token, fp8) ---" | tee -a "$SUMMARY"
+  tee -a "$SUMMARY" <"$OUT_DIR/bench_mt.log"
 fi
 say "total $(($(date +%s) - START)) s, $([ "$FAILED" = 0 ] && echo OK || echo FAILED)"
 exit "$FAILED"
