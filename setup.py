@@ -49,7 +49,10 @@ def extensions():
     has_cuda_sources = bool(glob.glob(os.path.join(cuda_dir, "*.cu")))
     # Until csrc/cuda/ holds kernels, every mode builds the CPU backend only.
     with_cuda = _want_cuda() and has_cuda_sources
-    cxx = [CXX_STD, "-O3", "-fvisibility=hidden"]
+    # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers; without the flag
+    # it silently runs on one thread.
+    cxx = [CXX_STD, "-O3", "-fvisibility=hidden", "-fopenmp"]
+    link = ["-fopenmp"]
     # The CPU kernels of _C are the portable (DEFAULT) variant; see csrc/cpu/kernels_variant.h.
     define = [("CPU_CAPABILITY", "DEFAULT"), ("CPU_CAPABILITY_DEFAULT", None)]
     sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))
@@ -68,6 +71,7 @@ def extensions():
                 sources + cu_sources,
                 define_macros=define + [("PAGED_OPS_WITH_CUDA", "1")],
                 extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                extra_link_args=link,
                 include_dirs=[os.path.join(ROOT, "csrc")],
             )
         )
@@ -78,6 +82,7 @@ def extensions():
                 sources,
                 define_macros=define,
                 extra_compile_args={"cxx": cxx},
+                extra_link_args=link,
                 include_dirs=[os.path.join(ROOT, "csrc")],
             )
         )
@@ -99,6 +104,7 @@ def extensions():
                         (f"CPU_CAPABILITY_{name.upper()}", None),
                     ],
                     extra_compile_args={"cxx": cxx + flags},
+                    extra_link_args=link,
                     include_dirs=[os.path.join(ROOT, "csrc")],
                 )
             )

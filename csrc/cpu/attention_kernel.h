@@ -351,7 +351,19 @@ void attention_impl(const AttentionParams& P) {
     part_o.assign(plan.num_items * G * D, 0.f);
   }
 
-  at::parallel_for(0, plan.num_items, 1, [&](int64_t begin, int64_t end) {
+  // Fork threads only for enough work: each task should cover about kMinTaskCost block x row
+  // visits (~0.1 ms), else thread start-up and wake-up dominate small calls.
+  constexpr int64_t kMinTaskCost = 512;
+  int64_t total_cost = 0;
+  for (int64_t s = 0; s < P.num_seqs; ++s) {
+    const int64_t blocks = (P.seq_lens[s * P.sl_stride] + bs - 1) / bs;
+    const int64_t rows = multi ? (P.query_start_loc[s + 1] - P.query_start_loc[s]) * G : G;
+    total_cost += blocks * rows * P.num_kv_heads;
+  }
+  const int64_t grain = std::max<int64_t>(
+      1, (kMinTaskCost * plan.num_items + total_cost - 1) / std::max<int64_t>(total_cost, 1));
+
+  at::parallel_for(0, plan.num_items, grain, [&](int64_t begin, int64_t end) {
     Scratch& S = thread_scratch();
     const int64_t R_max = plan.tokens_per_chunk * G;
     grow(S.qrep, R_max * num_chunks * XW);
@@ -546,7 +558,7 @@ void attention_impl(const AttentionParams& P) {
   if (plan.splits > 1) {
     // Exact merge of the splits: m = max m_i, l = sum l_i e^(m_i - m),
     // o = sum o_i e^(m_i - m) / l. Empty splits (l_i = 0, m_i = -inf) contribute nothing.
-    at::parallel_for(0, P.num_seqs * P.num_kv_heads * G, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, P.num_seqs * P.num_kv_heads * G, 64, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(D);
       for (int64_t w = begin; w < end; ++w) {
         const int64_t g = w % G;

@@ -481,7 +481,10 @@ void copy_block_list(const std::vector<std::pair<const char*, char*>>& bases,
   const auto m = mapping.accessor<int64_t, 2>();
   const int64_t n = mapping.size(0);
   const int64_t nt = static_cast<int64_t>(bases.size());
-  at::parallel_for(0, n * nt, 1, [&](int64_t begin, int64_t end) {
+  // Threads only for copies of at least ~256 KiB per task: a copy-on-write step copies a few
+  // blocks, and waking threads for that costs more than the copy.
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(block_bytes, 1));
+  at::parallel_for(0, n * nt, grain, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = w / n, i = w % n;
       const char* src = bases[t].first + m[i][0] * strides[t].first;
