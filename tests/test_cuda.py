@@ -616,6 +616,22 @@ def multi_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size
     return pg, q, qsl_of(q_lens)
 
 
+@pytest.fixture(params=["tensor_cores", "cuda_cores"])
+def multi_kernel(request, monkeypatch):
+    """Run a multi-token test on both CUDA kernels: the tensor-core one (fp16 / bf16 queries,
+    head sizes multiple of 16; the default) and the CUDA-core one (forced by the variable)."""
+    if request.param == "cuda_cores":
+        monkeypatch.setenv("PAGED_OPS_CUDA_MULTI_TOKEN_SIMT", "1")
+    else:
+        monkeypatch.delenv("PAGED_OPS_CUDA_MULTI_TOKEN_SIMT", raising=False)
+    return request.param
+
+
+def skip_same_kernel(multi_kernel, q_dtype, head_size=64):
+    if multi_kernel == "tensor_cores" and (q_dtype == torch.float32 or head_size % 16):
+        pytest.skip("fp32 queries and head size 120 always take the CUDA-core kernel")
+
+
 # A decode token, empty sequences (q_len 0, with and without cached tokens), a short and a
 # long chunk, and two whole prompts (q_len == seq_len), one spanning many query tiles.
 MIXED_Q = [1, 0, 7, 64, 0, 45, 150]
@@ -624,14 +640,16 @@ MIXED_L = [37, 12, 50, 100, 0, 45, 150]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_multi_token_mixed_batch(dtype, block_size):
+def test_multi_token_mixed_batch(dtype, block_size, multi_kernel):
+    skip_same_kernel(multi_kernel, dtype)
     pg, q, qsl = multi_batch(MIXED_Q, MIXED_L, 8, 2, 128, block_size, dtype, seed=block_size)
     check_general(pg, q, TOL[dtype], qsl=qsl)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
-def test_multi_token_head_sizes(dtype, head_size):
+def test_multi_token_head_sizes(dtype, head_size, multi_kernel):
+    skip_same_kernel(multi_kernel, dtype, head_size)
     pg, q, qsl = multi_batch([3, 40, 1], [20, 40, 9], 4, 2, head_size, 16, dtype, seed=head_size)
     check_general(pg, q, TOL[dtype], qsl=qsl)
 
@@ -640,8 +658,10 @@ def test_multi_token_head_sizes(dtype, head_size):
 @pytest.mark.parametrize("heads,head_size", [((64, 8), 128), ((32, 1), 128), ((8, 8), 64),
                                              ((12, 4), 96), ((40, 1), 256), ((96, 1), 64),
                                              ((6, 2), 192)])
-def test_multi_token_gqa_mqa(dtype, heads, head_size):
-    # Group sizes 8, 32, 1, 3, 40 (two group tiles of 20 at head size 256), 96 (two of 48).
+def test_multi_token_gqa_mqa(dtype, heads, head_size, multi_kernel):
+    # Group sizes 8, 32, 1, 3, 40 (two group tiles of 20 at head size 256 on CUDA cores), 96
+    # (two group tiles of 48).
+    skip_same_kernel(multi_kernel, dtype)
     num_heads, num_kv_heads = heads
     pg, q, qsl = multi_batch([5, 1, 33], [70, 16, 33], num_heads, num_kv_heads, head_size, 16,
                              dtype, seed=num_heads)
@@ -650,7 +670,8 @@ def test_multi_token_gqa_mqa(dtype, heads, head_size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_multi_token_alibi_window_softcap(dtype, block_size):
+def test_multi_token_alibi_window_softcap(dtype, block_size, multi_kernel):
+    skip_same_kernel(multi_kernel, dtype)
     pg, q, qsl = multi_batch([1, 9, 70, 33], [40, 200, 300, 33], 8, 2, 64, block_size, dtype,
                              seed=7)
     slopes = torch.rand(8, device=DEV) * 0.5
@@ -664,8 +685,9 @@ def test_multi_token_alibi_window_softcap(dtype, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_multi_token_long_context_split_k(dtype):
+def test_multi_token_long_context_split_k(dtype, multi_kernel):
     # Few query tiles over long contexts: the key range is split over partitions and merged.
+    skip_same_kernel(multi_kernel, dtype)
     pg, q, qsl = multi_batch([3, 1, 0], [9000, 5000, 70], 8, 2, 128, 16, dtype, seed=5,
                              qscale=3.0)
     check_general(pg, q, TOL[dtype], qsl=qsl)
@@ -872,7 +894,7 @@ def test_fp8_attention_decode(cache_dtype, q_dtype, block_size):
 
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("head_size", [h for h in HEAD_SIZES if h % 16 == 0])
-def test_fp8_attention_head_sizes_decode_and_multi_token(cache_dtype, head_size):
+def test_fp8_attention_head_sizes_decode_and_multi_token(cache_dtype, head_size, multi_kernel):
     pg = fp8_paged([5, 40, 33], 2, head_size, 16, cache_dtype, seed=head_size)
     for q_dtype in (torch.float16, torch.bfloat16):
         q = random_query(3, 8, head_size, q_dtype, device=DEV, scale=2.0)
@@ -884,7 +906,8 @@ def test_fp8_attention_head_sizes_decode_and_multi_token(cache_dtype, head_size)
 
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("q_dtype", DTYPES)
-def test_fp8_attention_multi_token_options_and_split_k(cache_dtype, q_dtype):
+def test_fp8_attention_multi_token_options_and_split_k(cache_dtype, q_dtype, multi_kernel):
+    skip_same_kernel(multi_kernel, q_dtype)
     pg = fp8_paged(MIXED_L + [6000], 2, 64, 16, cache_dtype, seed=4)
     q_lens = MIXED_Q + [2]
     q = random_query(sum(q_lens), 8, 64, q_dtype, device=DEV, scale=2.0)
@@ -982,10 +1005,12 @@ def test_opcheck_fp8(cache_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cuda_graph_chunked_prefill_replay_with_inputs_changed_in_place(dtype, fp8):
+def test_cuda_graph_chunked_prefill_replay_with_inputs_changed_in_place(dtype, fp8,
+                                                                     multi_kernel):
     # One captured chunked-prefill step (cache write of the chunk, causal attention with
     # query_start_loc), replayed with seq_lens, query_start_loc and slot_mapping changed in place
     # (same number of sequences and query tokens): the graph's work split stays valid.
+    skip_same_kernel(multi_kernel, dtype)
     bs, H, Hkv, D = 16, 8, 2, 64
     capacity = [400, 80, 700]
     cache_dtype = torch.float8_e4m3fn if fp8 else dtype

@@ -138,9 +138,17 @@ constexpr int kMultiThreads = 128;           // 4 warps
 constexpr int kMultiKeyTile = 32;            // key positions per step
 constexpr int kMultiPartitionUnit = 256;     // split-K partitions are multiples of this
 
-// Query rows (tokens x heads of one GQA group) per CTA: 16 per warp up to head size 128, 8 above
-// (the per-lane output accumulators are 4 rows x head_size / 8 or / 16 floats).
+// Query rows (tokens x heads of one GQA group) per CTA of the CUDA-core kernel: 16 per warp up
+// to head size 128, 8 above (the per-lane output accumulators are 4 rows x head_size / 8 or / 16
+// floats).
 constexpr int multi_rows_per_cta(int head_size) { return head_size <= 128 ? 64 : 32; }
+
+// The tensor-core kernel (multi_token_mma.cuh): 16 rows per warp, fp16 / bf16 queries (caches of
+// the same dtype or fp8), head sizes that are multiples of 16.
+constexpr int kMultiMmaRows = 64;
+constexpr bool multi_token_mma_supported(DType query_dtype, int head_size) {
+  return (query_dtype == DType::F16 || query_dtype == DType::BF16) && head_size % 16 == 0;
+}
 
 struct MultiTokenPlan {
   int32_t tokens_per_tile, heads_per_tile, group_tiles, num_partitions;
@@ -155,10 +163,9 @@ struct MultiTokenPlan {
 // search over query_start_loc; the at most one or two surplus tiles per sequence exit at once.
 // Partitions split the key range when the grid is small (few query tokens, long contexts).
 inline MultiTokenPlan plan_multi_token(int64_t num_tokens, int64_t num_seqs, int num_heads,
-                                       int num_kv_heads, int head_size, int64_t max_len,
+                                       int num_kv_heads, int rows, int64_t max_len,
                                        int num_sms) {
   MultiTokenPlan p{};
-  const int rows = multi_rows_per_cta(head_size);
   const int group = num_heads / num_kv_heads;
   p.group_tiles = (group + rows - 1) / rows;
   p.heads_per_tile = (group + p.group_tiles - 1) / p.group_tiles;
@@ -180,11 +187,17 @@ inline MultiTokenPlan plan_multi_token(int64_t num_tokens, int64_t num_seqs, int
 }
 
 // Multi-token kernels, by cache dtype (the query dtype is read from AttentionParams::dtype).
+// CUDA cores (multi_token.cuh), rows per CTA multi_rows_per_cta(head_size):
 cudaError_t launch_multi_f32(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_multi_f16(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_multi_bf16(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_multi_e4m3(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_multi_e5m2(const AttentionParams& p, cudaStream_t stream);
+// Tensor cores (multi_token_mma.cuh), kMultiMmaRows rows per CTA, multi_token_mma_supported():
+cudaError_t launch_multi_mma_f16(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_multi_mma_bf16(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_multi_mma_e4m3(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_multi_mma_e5m2(const AttentionParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Cache write and block copies

@@ -1,5 +1,8 @@
 // Paged attention with several query tokens per sequence (query_start_loc): chunked prefill,
-// whole prompts, speculative decoding, mixed batches. CUDA cores, fp32 accumulation.
+// whole prompts, speculative decoding, mixed batches. CUDA cores, fp32 accumulation: the kernel
+// for fp32 queries and head size 120 (and for everything when PAGED_OPS_CUDA_MULTI_TOKEN_SIMT=1);
+// fp16 / bf16 queries otherwise take the tensor-core kernel of multi_token_mma.cuh, which shares
+// the work split, the tile search (mt_find_tile) and the masking rules below.
 //
 // Work item: one CTA per (tile of TQ consecutive query tokens of one sequence, GQA group tile of
 // GH heads, key partition). Its rows are the TQ x GH (token, head) pairs, token-major; all of
@@ -65,6 +68,85 @@ __device__ __forceinline__ int v_index(int d, int t) {
   return d * kMultiKeyTile + ((((t >> 2) ^ d) & 7) << 2);
 }
 
+// First position a row at position P sees (sliding window W > 0), or 0.
+__device__ __forceinline__ int64_t mt_first_visible(int64_t P, int64_t W) {
+  return (W > 0 && P - W + 1 > 0) ? P - W + 1 : 0;
+}
+
+// What one CTA of a multi-token kernel works on (grid: virtual tiles x (kv head, group tile) x
+// partitions; see plan_multi_token).
+struct MtTile {
+  int64_t s;      // sequence
+  int64_t qs0;    // its first query row
+  int64_t q_len;  // its query tokens
+  int64_t j0;     // first token of this tile within the sequence
+  int64_t pos0;   // position of that token: L - q_len + j0 (may be negative for bad input)
+  int n_tok;      // tokens of this tile (<= TQ)
+  int L;          // the sequence's length, clamped to [0, max_len]
+  int kvh, h0, gv;  // kv head, first query head, valid heads of the group tile
+  // Positions some row of the CTA may see, clipped to its partition: [k_lo, k_hi) with
+  // 0 <= k_lo <= k_hi <= L <= INT32_MAX (both 0 when empty).
+  int k_lo, k_hi;
+  // Position of token jj of the tile, clamped to >= -1 (a row at a negative position sees
+  // nothing either way), so positions fit in ints.
+  __device__ __forceinline__ int row_pos(int64_t jj) const {
+    const int64_t P = pos0 + jj;
+    return static_cast<int>(P < -1 ? -1 : P);
+  }
+};
+
+// Finds this CTA's sequence and tokens by a 32-way search over query_start_loc (every warp
+// searches: same loads, same answer, no barrier). Offsets are clamped to [0, num_tokens] and
+// seq_lens to [0, max_len] (device data is never trusted); for a valid query_start_loc
+// v(s) = qsl[s] / TQ + s increases strictly and the search is exact. Returns false (for the
+// whole CTA) when the virtual tile is past its sequence's q_len.
+__device__ __forceinline__ bool mt_find_tile(const AttentionParams& p, int lane, MtTile& t) {
+  const int64_t T = p.num_tokens;
+  const int64_t n_seqs = p.num_seqs;
+  const int TQ = p.mt_tokens_per_tile;
+  const int GH = p.mt_heads_per_tile;
+  auto qstart = [&](int64_t s) -> int64_t {
+    const int64_t v = __ldg(p.query_start_loc + s * p.qsl_stride);
+    return v < 0 ? 0 : (v > T ? T : v);
+  };
+  const int64_t vt = blockIdx.x;
+  if (n_seqs <= 0 || qstart(0) / TQ > vt) return false;
+  int64_t lo_s = 0, hi_s = n_seqs;  // the answer (largest s with v(s) <= vt) is in [lo_s, hi_s)
+  while (hi_s - lo_s > 1) {
+    const int64_t step = (hi_s - lo_s + 31) / 32;
+    const int64_t probe = lo_s + static_cast<int64_t>(lane) * step;
+    const bool ok = lane > 0 && probe < hi_s && qstart(probe) / TQ + probe <= vt;
+    const int k = __popc(__ballot_sync(kFullMask, ok));
+    lo_s += k * step;
+    hi_s = min(hi_s, lo_s + step);
+  }
+  t.s = lo_s;
+  t.qs0 = qstart(t.s);
+  const int64_t qs1 = max(qstart(t.s + 1), t.qs0);
+  t.q_len = qs1 - t.qs0;
+  t.j0 = (vt - (t.qs0 / TQ + t.s)) * TQ;
+  if (t.j0 >= t.q_len) return false;
+  t.n_tok = static_cast<int>(t.q_len - t.j0 < TQ ? t.q_len - t.j0 : TQ);
+
+  t.kvh = blockIdx.y / p.mt_group_tiles;
+  const int gtile = blockIdx.y - t.kvh * p.mt_group_tiles;
+  const int group = p.num_heads / p.num_kv_heads;
+  t.h0 = t.kvh * group + gtile * GH;
+  t.gv = min(GH, group - gtile * GH);
+
+  int64_t L = p.seq_lens[t.s * p.sl_stride];
+  L = L < 0 ? 0 : (L > p.max_len ? p.max_len : L);
+  t.L = static_cast<int>(L);  // seq_lens are int32
+  t.pos0 = L - t.q_len + t.j0;
+  const int64_t part_begin = static_cast<int64_t>(blockIdx.z) * p.partition_tokens;
+  int64_t key_lo = max(mt_first_visible(t.pos0, p.sliding_window), part_begin);
+  int64_t key_hi = min(t.pos0 + t.n_tok, part_begin + p.partition_tokens);  // <= L
+  if (key_lo >= key_hi) key_lo = key_hi = 0;
+  t.k_lo = static_cast<int>(key_lo);
+  t.k_hi = static_cast<int>(key_hi);
+  return true;
+}
+
 template <typename CT, int D>
 __global__ void __launch_bounds__(kMultiThreads, MultiCfg<D>::kMinBlocks)
     multi_token_attention_kernel(const __grid_constant__ AttentionParams p) {
@@ -93,62 +175,15 @@ __global__ void __launch_bounds__(kMultiThreads, MultiCfg<D>::kMinBlocks)
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int64_t T = p.num_tokens;
-  const int64_t n_seqs = p.num_seqs;
-  const int TQ = p.mt_tokens_per_tile;
   const int GH = p.mt_heads_per_tile;
-
-  // ---- which sequence and which of its tokens: a 32-way search over query_start_loc ----
-  // Offsets are clamped to [0, T] (device data is never trusted); for a valid
-  // query_start_loc v(s) = qsl[s] / TQ + s increases strictly and the search is exact. Every
-  // warp searches (same loads, same answer): no barrier needed.
-  auto qstart = [&](int64_t s) -> int64_t {
-    const int64_t v = __ldg(p.query_start_loc + s * p.qsl_stride);
-    return v < 0 ? 0 : (v > T ? T : v);
-  };
-  const int64_t vt = blockIdx.x;
-  if (n_seqs <= 0 || qstart(0) / TQ > vt) return;
-  int64_t lo_s = 0, hi_s = n_seqs;  // the answer (largest s with v(s) <= vt) is in [lo_s, hi_s)
-  while (hi_s - lo_s > 1) {
-    const int64_t step = (hi_s - lo_s + 31) / 32;
-    const int64_t probe = lo_s + static_cast<int64_t>(lane) * step;
-    const bool ok = lane > 0 && probe < hi_s && qstart(probe) / TQ + probe <= vt;
-    const int k = __popc(__ballot_sync(kFullMask, ok));
-    lo_s += k * step;
-    hi_s = min(hi_s, lo_s + step);
-  }
-  const int64_t s = lo_s;
-  const int64_t qs0 = qstart(s);
-  const int64_t qs1 = max(qstart(s + 1), qs0);
-  const int64_t q_len = qs1 - qs0;
-  const int64_t j0 = (vt - (qs0 / TQ + s)) * TQ;  // first token of this tile in the sequence
-  if (j0 >= q_len) return;                        // surplus virtual tile (CTA-uniform)
-  const int n_tok = static_cast<int>((q_len - j0 < TQ ? q_len - j0 : TQ));
-
-  const int kvh = blockIdx.y / p.mt_group_tiles;
-  const int gtile = blockIdx.y - kvh * p.mt_group_tiles;
-  const int group = p.num_heads / p.num_kv_heads;
-  const int h0 = kvh * group + gtile * GH;     // first query head of this CTA
-  const int gv = min(GH, group - gtile * GH);  // valid heads (the rest are padding rows)
-
-  int64_t L = p.seq_lens[s * p.sl_stride];
-  L = L < 0 ? 0 : (L > p.max_len ? p.max_len : L);
+  MtTile tl;
+  if (!mt_find_tile(p, lane, tl)) return;  // surplus virtual tile (CTA-uniform)
+  const int n_tok = tl.n_tok;
+  const int h0 = tl.h0, gv = tl.gv, kvh = tl.kvh;
+  const int64_t s = tl.s, qs0 = tl.qs0, j0 = tl.j0;
   const int64_t W = p.sliding_window;
-  const int64_t pos0 = L - q_len + j0;  // position of this tile's first token
-  auto first_visible = [&](int64_t P) -> int64_t {
-    return (W > 0 && P - W + 1 > 0) ? P - W + 1 : 0;
-  };
-  // Positions some row of the CTA may see, clipped to this CTA's partition: [key_lo, key_hi).
-  const int64_t part_begin = static_cast<int64_t>(blockIdx.z) * p.partition_tokens;
-  int64_t key_lo = max(first_visible(pos0), part_begin);
-  int64_t key_hi = min(pos0 + n_tok, part_begin + p.partition_tokens);  // <= L
-  if (key_lo >= key_hi) key_lo = key_hi = 0;
-  // From here on positions are ints: 0 <= key_lo < key_hi <= L <= INT32_MAX, and a row's P is
-  // clamped to >= -1 (a row at a negative position sees nothing either way).
-  auto row_pos = [&](int64_t jj) -> int {
-    const int64_t P = pos0 + jj;
-    return static_cast<int>(P < -1 ? -1 : P);
-  };
+  auto first_visible = [&](int64_t P) -> int64_t { return mt_first_visible(P, W); };
+  auto row_pos = [&](int64_t jj) -> int { return tl.row_pos(jj); };
 
   // ---- the scaled query rows (fp32), zero for padding rows ----
   float qscale = p.scale;
@@ -218,7 +253,7 @@ __global__ void __launch_bounds__(kMultiThreads, MultiCfg<D>::kMinBlocks)
     return (id >= 0 && id < p.num_blocks) ? id : -1;
   };
 
-  const int k_lo = static_cast<int>(key_lo), k_hi = static_cast<int>(key_hi);
+  const int k_lo = tl.k_lo, k_hi = tl.k_hi;
   for (int t0 = (k_lo / KT) * KT; t0 < k_hi; t0 += KT) {
     __syncthreads();  // the previous tile's kt_s / v_s / p_s / kvis_s are no longer read
     // ---- K: lane = key position t0 + lane; warp w loads key vectors w, w + 4, ... ----

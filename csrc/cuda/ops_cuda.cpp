@@ -26,6 +26,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
 #include "checks.h"
 #include "cuda/launch.cuh"
@@ -140,9 +141,15 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
     const at::Tensor& qsl = *query_start_loc;
     p.query_start_loc = qsl.data_ptr<int32_t>();
     p.qsl_stride = qsl.stride(0);
+    // Tensor cores for fp16 / bf16 queries and head sizes that are multiples of 16, unless
+    // PAGED_OPS_CUDA_MULTI_TOKEN_SIMT=1 asks for the CUDA-core kernel (fp32 queries and head
+    // size 120 always take it).
+    const char* simt_env = std::getenv("PAGED_OPS_CUDA_MULTI_TOKEN_SIMT");
+    const bool mma = multi_token_mma_supported(p.dtype, p.head_size) &&
+                     !(simt_env != nullptr && simt_env[0] == '1');
+    const int rows = mma ? kMultiMmaRows : multi_rows_per_cta(p.head_size);
     const MultiTokenPlan mp = plan_multi_token(d.num_tokens, d.num_seqs, p.num_heads,
-                                               p.num_kv_heads, p.head_size, max_len,
-                                               sm_count(device));
+                                               p.num_kv_heads, rows, max_len, sm_count(device));
     p.mt_tokens_per_tile = mp.tokens_per_tile;
     p.mt_heads_per_tile = mp.heads_per_tile;
     p.mt_group_tiles = mp.group_tiles;
@@ -167,10 +174,18 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
     cudaError_t err = cudaErrorInvalidValue;
     switch (p.cache_dtype) {
       case DType::F32: err = launch_multi_f32(p, stream); break;
-      case DType::F16: err = launch_multi_f16(p, stream); break;
-      case DType::BF16: err = launch_multi_bf16(p, stream); break;
-      case DType::F8E4M3: err = launch_multi_e4m3(p, stream); break;
-      case DType::F8E5M2: err = launch_multi_e5m2(p, stream); break;
+      case DType::F16:
+        err = mma ? launch_multi_mma_f16(p, stream) : launch_multi_f16(p, stream);
+        break;
+      case DType::BF16:
+        err = mma ? launch_multi_mma_bf16(p, stream) : launch_multi_bf16(p, stream);
+        break;
+      case DType::F8E4M3:
+        err = mma ? launch_multi_mma_e4m3(p, stream) : launch_multi_e4m3(p, stream);
+        break;
+      case DType::F8E5M2:
+        err = mma ? launch_multi_mma_e5m2(p, stream) : launch_multi_e5m2(p, stream);
+        break;
     }
     C10_CUDA_CHECK(err);
     return;
