@@ -24,8 +24,14 @@ $(VENV)/.deps: pyproject.toml
 
 venv: $(VENV)/.deps
 
-install: venv
+# Rebuild the extension only when its sources or build files change (the package itself is
+# installed editable, so Python edits need nothing); `make clean` forces a rebuild.
+BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc -type f)
+$(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+install: $(VENV)/.built
 	$(PY) -c "import paged_ops, torch; print('paged_ops built; CUDA kernels:', paged_ops.built_with_cuda(), '; CPU kernel:', paged_ops.cpu_kernel_variant(), '; torch', torch.__version__)"
 
 demo: install
@@ -43,4 +49,4 @@ lint: venv
 	$(VENV)/bin/ruff check paged_ops tests benchmarks
 
 clean:
-	rm -rf build *.egg-info paged_ops/*.so
+	rm -rf build *.egg-info paged_ops/*.so $(VENV)/.built

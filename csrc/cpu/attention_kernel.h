@@ -439,16 +439,6 @@ void attention_impl(const AttentionParams& P) {
         const int64_t blk = table[b * P.bt_stride_col];
         const CT* kblk = kc + blk * P.k_stride_block + kvh * (D * bs);
         const CT* vblk = vc + blk * P.v_stride_block + kvh * (D * bs);
-        if (b < b_last) {
-          // Blocks are scattered, so the hardware prefetcher cannot guess the next one.
-          const int64_t nb = table[(b + 1) * P.bt_stride_col];
-          const char* nk = reinterpret_cast<const char*>(kc + nb * P.k_stride_block + kvh * (D * bs));
-          const char* nv = reinterpret_cast<const char*>(vc + nb * P.v_stride_block + kvh * (D * bs));
-          for (int64_t off = 0; off < static_cast<int64_t>(D * bs * sizeof(CT)); off += 64) {
-            __builtin_prefetch(nk + off);
-            __builtin_prefetch(nv + off);
-          }
-        }
         // Offsets of this block visible to at least one row: [t0_all, t1_all).
         const int64_t t0_all = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
         const int64_t t1_all = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
