@@ -39,12 +39,22 @@ template <typename T>
 constexpr bool is_fp8_v =
     std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
 
-// fp8 -> fp32 by table lookup (256 entries per format).
+// The kernel reads e4m3fn caches in units of 2^-8 (the value times 2^-8, exact): that is what
+// reinterpreting its bits as an fp16 gives, so the vector decode is a shift and a convert. The
+// factor 2^8 is folded into the scales (fp8_unit).
+template <typename T>
+constexpr float fp8_unit() {
+  return std::is_same_v<T, c10::Float8_e4m3fn> ? 256.f : 1.f;
+}
+
+// fp8 -> fp32 (in the kernel's units) by table lookup: the scalar and partial-vector path.
 template <typename T>
 inline const float* fp8_table() {
   static const auto table = [] {
     std::vector<float> t(256);
-    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(T(static_cast<uint8_t>(i), T::from_bits()));
+    for (int i = 0; i < 256; ++i) {
+      t[i] = static_cast<float>(T(static_cast<uint8_t>(i), T::from_bits())) / fp8_unit<T>();
+    }
     return t;
   }();
   return table.data();
@@ -65,14 +75,12 @@ inline VecF load_f32(const T* p, int64_t count = W) {
         // e5m2 is the high byte of an fp16: widen, shift, convert with F16C.
         return VecF(_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8)));
       } else {
-        // e4m3fn: exponent and mantissa moved to the fp32 fields, the bias fixed by 2^120;
-        // subnormals come out right as fp32 subnormals times 2^120. (0x7f, NaN, reads as 480:
-        // only unwritten slots hold it, and those are masked by position.)
-        const __m256i w = _mm256_cvtepu8_epi32(bytes);
-        const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x7f)), 20);
-        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24);
-        const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
-        return VecF(_mm256_or_ps(v, _mm256_castsi256_ps(sign)));
+        // e4m3fn s.eeee.mmm -> fp16 s.0eeee.mmm0000000 = value * 2^-8 (subnormals included):
+        // sign-extend, shift into place, clear the copy of the sign in bit 14, convert. (0x7f,
+        // NaN, reads as 480: only unwritten slots hold it, and those are masked by position.)
+        const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
+                                        _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+        return VecF(_mm256_cvtph_ps(h));
       }
     }
 #endif
@@ -308,7 +316,9 @@ void attention_impl(const AttentionParams& P) {
   const int64_t NV = bs / W;                    // V row vectors in the fast PV path
   const bool fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
   const bool plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
-  const float qk_scale = P.scale * P.k_scale;  // (q . s_k k) scale = s_k scale (q . k)
+  // (q . s_k k) scale = s_k scale (q . k); fp8_unit: see fp8_unit().
+  const float qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
+  const float v_scale = P.v_scale * fp8_unit<CT>();
   const QT* q_base = static_cast<const QT*>(P.query);
   QT* o_base = static_cast<QT*>(P.out);
   const CT* kc = static_cast<const CT*>(P.key_cache);
@@ -539,7 +549,7 @@ void attention_impl(const AttentionParams& P) {
         QT* o = o_base + (row0 + (multi ? j : 0)) * P.out_stride_seq + (h0 + g) * P.out_stride_head;
         const float* orow = S.o.data() + r * DP;
         // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
-        const float inv = S.l[r] > 0.f ? P.v_scale / S.l[r] : 0.f;
+        const float inv = S.l[r] > 0.f ? v_scale / S.l[r] : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(orow[d] * inv);
       }
     }
@@ -571,7 +581,7 @@ void attention_impl(const AttentionParams& P) {
           for (int64_t d = 0; d < D; ++d) acc[d] += oi[d] * w_i;
         }
         QT* o = o_base + s * P.out_stride_seq + (kvh * G + g) * P.out_stride_head;
-        const float inv = l > 0.f ? P.v_scale / l : 0.f;
+        const float inv = l > 0.f ? v_scale / l : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(acc[d] * inv);
       }
     });
