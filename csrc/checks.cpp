@@ -304,6 +304,8 @@ CacheWriteDims check_reshape_and_cache(Backend backend, const at::Tensor& key,
   return d;
 }
 
+float host_scale(const at::Tensor& scale) { return *scale.const_data_ptr<float>(); }
+
 void check_slots_cpu(const at::Tensor& slot_mapping, int64_t num_tokens, int64_t num_slots) {
   const auto sm = slot_mapping.accessor<int64_t, 1>();
   for (int64_t i = 0; i < num_tokens; ++i) {

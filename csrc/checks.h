@@ -81,6 +81,9 @@ CacheWriteDims check_reshape_and_cache(Backend backend, const at::Tensor& key,
                                        const std::optional<at::Tensor>& k_scale,
                                        const std::optional<at::Tensor>& v_scale);
 
+// The value of a checked fp8 scale (fp32, one element) of a CPU op, read on the host.
+float host_scale(const at::Tensor& scale);
+
 // CPU only: every non-negative slot < num_blocks * block_size.
 void check_slots_cpu(const at::Tensor& slot_mapping, int64_t num_tokens, int64_t num_slots);
 

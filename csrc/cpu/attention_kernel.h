@@ -326,6 +326,16 @@ void attention_impl(const AttentionParams& P) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool multi = P.query_start_loc != nullptr;
 
+  // One pass over the sequences: the longest one (for the split) and the block x row visits
+  // of the whole call (for the grain below).
+  int64_t max_len = 0, total_cost = 0;
+  for (int64_t s = 0; s < P.num_seqs; ++s) {
+    const int64_t len = P.seq_lens[s * P.sl_stride];
+    const int64_t rows = multi ? (P.query_start_loc[s + 1] - P.query_start_loc[s]) * G : G;
+    max_len = std::max(max_len, len);
+    total_cost += (len + bs - 1) / bs * rows * P.num_kv_heads;
+  }
+
   Plan plan;
   plan.splits = 1;
   if (multi) {
@@ -346,8 +356,6 @@ void attention_impl(const AttentionParams& P) {
     // Too few (sequence, kv head) pairs for the threads: split the block range of each, but
     // keep at least 8 blocks per split so the merge stays negligible.
     if (pairs < 2 * P.num_threads && P.num_threads > 1) {
-      int64_t max_len = 0;
-      for (int64_t s = 0; s < P.num_seqs; ++s) max_len = std::max<int64_t>(max_len, P.seq_lens[s * P.sl_stride]);
       const int64_t max_blocks = (max_len + bs - 1) / bs;
       const int64_t want = (2 * P.num_threads + pairs - 1) / std::max<int64_t>(pairs, 1);
       plan.splits = std::max<int64_t>(1, std::min<int64_t>(want, max_blocks / 8));
@@ -364,12 +372,6 @@ void attention_impl(const AttentionParams& P) {
   // Fork threads only for enough work: each task should cover about kMinTaskCost block x row
   // visits (~0.1 ms), else thread start-up and wake-up dominate small calls.
   constexpr int64_t kMinTaskCost = 512;
-  int64_t total_cost = 0;
-  for (int64_t s = 0; s < P.num_seqs; ++s) {
-    const int64_t blocks = (P.seq_lens[s * P.sl_stride] + bs - 1) / bs;
-    const int64_t rows = multi ? (P.query_start_loc[s + 1] - P.query_start_loc[s]) * G : G;
-    total_cost += blocks * rows * P.num_kv_heads;
-  }
   const int64_t grain = std::max<int64_t>(
       1, (kMinTaskCost * plan.num_items + total_cost - 1) / std::max<int64_t>(total_cost, 1));
 

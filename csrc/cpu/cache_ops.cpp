@@ -431,9 +431,6 @@ void write_fp8_dispatch(const at::Tensor& key, const at::Tensor& value, const Ds
   }
 }
 
-// The per-tensor scale, read on the host (the checks put it on the CPU, with the caches).
-float host_scale(const at::Tensor& s) { return *s.const_data_ptr<float>(); }
-
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
                        const std::optional<at::Tensor>& k_scale,

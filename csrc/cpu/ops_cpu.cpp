@@ -77,9 +77,8 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   p.logits_soft_cap = static_cast<float>(logits_soft_cap);
   p.sliding_window = sliding_window;
   const bool fp8 = is_fp8(key_cache.scalar_type());
-  // fp8 scales are one-element CPU tensors: read once on the host.
-  p.k_scale = fp8 ? k_scale->to(at::kFloat).contiguous().data_ptr<float>()[0] : 1.f;
-  p.v_scale = fp8 ? v_scale->to(at::kFloat).contiguous().data_ptr<float>()[0] : 1.f;
+  p.k_scale = fp8 ? host_scale(*k_scale) : 1.f;
+  p.v_scale = fp8 ? host_scale(*v_scale) : 1.f;
   p.num_threads = at::get_num_threads();
   p.dtype = to_dtype(query.scalar_type());
   p.cache_dtype = to_dtype(key_cache.scalar_type());
