@@ -152,3 +152,20 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def fp8_write_inputs(in_dtype, D):
+    """Inputs [n, 1, D] for bitwise fp8 cache-write tests: every 16-bit pattern of a 16-bit
+    dtype; for fp32, magnitudes over the whole range, random bit patterns and the specials."""
+    if in_dtype == torch.float32:
+        g = torch.Generator().manual_seed(3)
+        x = torch.cat([
+            torch.randn(8192, generator=g) * 10 ** torch.empty(8192).uniform_(-9, 7,
+                                                                               generator=g),
+            torch.randint(-2**31, 2**31 - 1, (8192,), dtype=torch.int32, generator=g)
+            .view(torch.float32),
+            torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, 3e38]),
+        ])
+    else:
+        x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype)
+    return torch.cat([x, torch.zeros((-x.numel()) % D, dtype=x.dtype)]).reshape(-1, 1, D)

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TOL, cache_x, make_paged, make_paged_fp8, one_thread, random_query
+from helpers import (
+    TOL,
+    cache_x,
+    fp8_write_inputs,
+    make_paged,
+    make_paged_fp8,
+    one_thread,
+    random_query,
+)
 
 import paged_ops
 from paged_ops import reference as ref
@@ -834,19 +842,8 @@ def test_fp8_reshape_and_cache_bitwise(cache_dtype, in_dtype, head_size, block_s
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("in_dtype", DTYPES)
 def test_fp8_reshape_and_cache_every_16_bit_input_and_specials(cache_dtype, in_dtype):
-    if in_dtype == torch.float32:
-        g = torch.Generator().manual_seed(3)
-        x = torch.cat([
-            torch.randn(8192, generator=g) * 10 ** torch.empty(8192).uniform_(-9, 7,
-                                                                               generator=g),
-            torch.randint(-2**31, 2**31 - 1, (8192,), dtype=torch.int32, generator=g)
-            .view(torch.float32),
-            torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, 3e38]),
-        ])
-    else:
-        x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype)
     D = 128
-    x = torch.cat([x, torch.zeros((-x.numel()) % D, dtype=x.dtype)]).reshape(-1, 1, D).to(DEV)
+    x = fp8_write_inputs(in_dtype, D).to(DEV)
     n = x.shape[0]
     for scale in (1.0, 0.0371, 2.5e-3, 700.0):
         s = torch.tensor([scale], device=DEV)

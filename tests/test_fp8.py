@@ -13,6 +13,7 @@ from helpers import (
     TOL,
     cache_x,
     fp8_quantize,
+    fp8_write_inputs,
     make_paged_fp8,
     one_thread,
     query_start_loc,
@@ -86,19 +87,8 @@ def test_every_16_bit_input_and_specials_bitwise(cache_dtype, in_dtype):
     # Every bf16 / fp16 bit pattern (and, for fp32, random magnitudes over the whole range,
     # random bit patterns and the specials) through the op and the reference: subnormals of
     # the format, exact ties, saturation and NaN.
-    if in_dtype == torch.float32:
-        g = torch.Generator().manual_seed(3)
-        x = torch.cat([
-            torch.randn(8192, generator=g) * 10 ** torch.empty(8192).uniform_(-9, 7,
-                                                                               generator=g),
-            torch.randint(-2**31, 2**31 - 1, (8192,), dtype=torch.int32, generator=g)
-            .view(torch.float32),
-            torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, 3e38]),
-        ])
-    else:
-        x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype)
     D = 128
-    x = torch.cat([x, torch.zeros((-x.numel()) % D, dtype=x.dtype)]).reshape(-1, 1, D)
+    x = fp8_write_inputs(in_dtype, D)
     n = x.shape[0]
     for scale in (1.0, 0.0371, 2.5e-3, 700.0):
         s = torch.tensor([scale])
