@@ -117,7 +117,8 @@ struct Scratch {
   std::vector<float> qrep;   // [R][D/x][XW]: q chunk c (pre-scaled) repeated to XW lanes
   std::vector<float> raw;    // [R][KP] per-lane partial q.k sums of one block (t * x + i)
   std::vector<float> p;      // [R][BP] logits, then probabilities of one block (0 when hidden)
-  std::vector<float> o;      // [R][DP] running sum of p * v
+  std::vector<float> acc;    // [R][D][W] running sum of p * v, lanes not yet summed (see pv_tile)
+  std::vector<float> o;      // [R][D] acc with its lanes summed, at the end of an item
   std::vector<float> vtmp;   // [D * bs] fp32 copy of a V block, columns hidden from all rows 0
   std::vector<float> m, l;   // [R] running max / normalizer
 };
@@ -133,13 +134,27 @@ inline void grow(std::vector<float>& v, int64_t n) {
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
+// Walks the cache lines of the next block one at a time, so its loads overlap this block's
+// arithmetic: the table scatters blocks, the hardware prefetcher cannot guess the next one, and a
+// burst of prefetches for a whole block stalls on the core's miss buffers.
+struct LinePrefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  inline void step() {
+    if (p < end) {
+      __builtin_prefetch(p, 0, 1);
+      p += 64;
+    }
+  }
+};
+
 // raw[g][j] = sum_c qrep[g][c][j % XW] * kblk[c][j] for the G_T rows of a tile, where
 // kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
 // q chunk c repeated to XW = max(x, W) lanes, so the q vector at offset j % XW lines up with
 // the K vector at j.
 template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
-                    int64_t chunk_elems, int64_t raw_stride, int64_t XW) {
+                    int64_t chunk_elems, int64_t raw_stride, int64_t XW, LinePrefetch& pf) {
   // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
   int64_t j = 0;
   // Two K vectors per step: 2 loads + G_T (or 2 G_T) q loads feed 2 G_T FMAs.
@@ -148,6 +163,7 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     VecF a[G_T], b[G_T];
     for (int g = 0; g < G_T; ++g) a[g] = b[g] = VecF(0.f);
     for (int64_t c = 0; c < num_chunks; ++c) {
+      pf.step();
       const VecF k0 = load_f32(kblk + c * chunk_elems + j);
       const VecF k1 = load_f32(kblk + c * chunk_elems + j + W);
       for (int g = 0; g < G_T; ++g) {
@@ -237,43 +253,52 @@ inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z)
   }
 }
 
-// o[g][d] += sum_t p[g][t] * v[d][t] for one head over a [D][bs] fp32 V block, when
-// bs == NV * W: the NV probability vectors stay in registers and W rows are reduced at once
-// (reduce_rows), so no transposed copy of V is needed.
-template <int NV>
-inline void pv_head_fast(const float* vblk, const float* pg, float* og, int64_t D) {
-  VecF p[NV];
-  for (int v = 0; v < NV; ++v) p[v] = VecF::loadu(pg + v * W);
-  int64_t d0 = 0;
-  for (; d0 + W <= D; d0 += W) {
-    VecF r[W];
-    for (int64_t k = 0; k < W; ++k) {
-      const float* row = vblk + (d0 + k) * (NV * W);
-      VecF a = VecF::loadu(row) * p[0];
-      for (int v = 1; v < NV; ++v) a = at::vec::fmadd(VecF::loadu(row + v * W), p[v], a);
-      r[k] = a;
+// p . v without horizontal sums: acc[r][d] is a W-lane vector whose lanes hold sum_t p[r][t] *
+// v[d][t] over the offsets t = lane (mod W), summed across lanes once per work item
+// (reduce_acc) instead of once per block. For a [D][bs] V block with bs == NV * W: every V row is
+// loaded (and converted) once for a tile of RT query rows, whose RT * NV probability vectors stay
+// in registers.
+template <int NV, int RT, typename VT>
+inline void pv_tile(const VT* vblk, const float* p, int64_t p_stride, float* acc,
+                    int64_t acc_stride, int64_t D, LinePrefetch& pf) {
+  VecF pr[RT][NV];
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < NV; ++i) pr[r][i] = VecF::loadu(p + r * p_stride + i * W);
+  for (int64_t d = 0; d < D; ++d) {
+    pf.step();
+    VecF v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = load_f32(vblk + d * (NV * W) + i * W);
+    for (int r = 0; r < RT; ++r) {
+      float* a = acc + r * acc_stride + d * W;
+      VecF sum = VecF::loadu(a);
+      for (int i = 0; i < NV; ++i) sum = at::vec::fmadd(v[i], pr[r][i], sum);
+      sum.store(a);
     }
-    (VecF::loadu(og + d0) + reduce_rows(r)).store(og + d0);
-  }
-  for (; d0 < D; ++d0) {  // D not a multiple of W: the leftover rows one by one
-    const float* row = vblk + d0 * (NV * W);
-    VecF a = VecF::loadu(row) * p[0];
-    for (int v = 1; v < NV; ++v) a = at::vec::fmadd(VecF::loadu(row + v * W), p[v], a);
-    og[d0] += hsum(a);
   }
 }
 
-// Any block size: rows of bs elements, vectors over t with a zero-filled tail.
-inline void pv_head_any(const float* vblk, const float* pg, float* og, int64_t D, int64_t bs) {
+// Any block size: a [D][bs] fp32 V block, one row at a time, vectors over t (zero-filled tail).
+inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D, int64_t bs) {
   for (int64_t d = 0; d < D; ++d) {
     const float* row = vblk + d * bs;
-    VecF a(0.f);
+    VecF a = VecF::loadu(acc + d * W);
     for (int64_t t = 0; t < bs; t += W) {
       const int64_t cnt = std::min<int64_t>(W, bs - t);
       a = at::vec::fmadd(VecF::loadu(row + t, cnt), VecF::loadu(pg + t), a);
     }
-    og[d] += hsum(a);
+    a.store(acc + d * W);
   }
+}
+
+// out[d] = sum of the W lanes of acc[d].
+inline void reduce_acc(const float* acc, float* out, int64_t D) {
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    VecF r[W];
+    for (int64_t k = 0; k < W; ++k) r[k] = VecF::loadu(acc + (d + k) * W);
+    reduce_rows(r).store(out + d);
+  }
+  for (; d < D; ++d) out[d] = hsum(VecF::loadu(acc + d * W));
 }
 
 // Convert (16-bit / fp8 caches) or copy a [D][bs] V block to fp32, zeroing columns outside
@@ -311,7 +336,6 @@ void attention_impl(const AttentionParams& P) {
   const int64_t chunk_elems = bs * x;
   const int64_t KP = round_up(chunk_elems, W);  // raw row, padded to whole vectors
   const int64_t BP = round_up(bs, W);           // probability row, padded to whole vectors
-  const int64_t DP = round_up(D, W);
   const int64_t XW = std::max<int64_t>(x, W);   // q chunk repetition length (x, W: powers of 2)
   const int64_t NV = bs / W;                    // V row vectors in the fast PV path
   const bool fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
@@ -381,7 +405,8 @@ void attention_impl(const AttentionParams& P) {
     grow(S.qrep, R_max * num_chunks * XW);
     grow(S.raw, R_max * KP);
     grow(S.p, R_max * BP);
-    grow(S.o, R_max * DP);
+    grow(S.acc, R_max * D * W);
+    grow(S.o, R_max * D);
     grow(S.vtmp, D * bs);
     grow(S.m, R_max);
     grow(S.l, R_max);
@@ -445,12 +470,21 @@ void attention_impl(const AttentionParams& P) {
         S.m[r] = neg_inf;
         S.l[r] = 0.f;
       }
-      std::fill(S.o.begin(), S.o.begin() + R * DP, 0.f);
+      std::fill(S.acc.begin(), S.acc.begin() + R * D * W, 0.f);
       const int32_t* table = P.block_tables + s * P.bt_stride_seq;
       for (int64_t b = b_first; b <= b_last; ++b) {
         const int64_t blk = table[b * P.bt_stride_col];
         const CT* kblk = kc + blk * P.k_stride_block + kvh * (D * bs);
         const CT* vblk = vc + blk * P.v_stride_block + kvh * (D * bs);
+        LinePrefetch pf_k, pf_v;
+        if (b < b_last) {
+          const int64_t nb = table[(b + 1) * P.bt_stride_col];
+          const int64_t bytes = D * bs * static_cast<int64_t>(sizeof(CT));
+          pf_k.p = reinterpret_cast<const char*>(kc + nb * P.k_stride_block + kvh * (D * bs));
+          pf_v.p = reinterpret_cast<const char*>(vc + nb * P.v_stride_block + kvh * (D * bs));
+          pf_k.end = pf_k.p + bytes;
+          pf_v.end = pf_v.p + bytes;
+        }
         // Offsets of this block visible to at least one row: [t0_all, t1_all).
         const int64_t t0_all = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
         const int64_t t1_all = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
@@ -461,7 +495,7 @@ void attention_impl(const AttentionParams& P) {
           for (; r + G_T <= R; r += G_T)
             qk_tile<G_T, decltype(one_q)::value>(kblk, S.qrep.data() + r * num_chunks * XW,
                                                  S.raw.data() + r * KP, num_chunks, chunk_elems,
-                                                 KP, XW);
+                                                 KP, XW, pf_k);
         };
         if (XW == W) {
           qk(std::integral_constant<int, 4>{}, std::true_type{});
@@ -470,22 +504,19 @@ void attention_impl(const AttentionParams& P) {
           qk(std::integral_constant<int, 4>{}, std::false_type{});
           qk(std::integral_constant<int, 1>{}, std::false_type{});
         }
-        // V in fp32, once for all rows; fp32 caches with every column visible are read in place.
-        const float* vf;
-        if (std::is_same_v<CT, float> && t0_all == 0 && t1_all == bs) {
-          vf = reinterpret_cast<const float*>(vblk);
-        } else {
-          v_block_to_f32(vblk, S.vtmp.data(), D, bs, t0_all, t1_all);
-          vf = S.vtmp.data();
-        }
+        // Softmax of each row over this block: p[r] = e^(z - m_new), 0 where hidden (and for a
+        // row that sees none of the block).
         for (r = 0; r < R; ++r) {
+          float* pr = S.p.data() + r * BP;
           const int64_t t0 = std::clamp<int64_t>(row_lo[r] - b * bs, 0, bs);
           const int64_t t1 = std::clamp<int64_t>(row_P[r] + 1 - b * bs, 0, bs);
-          if (t0 >= t1) continue;  // nothing of this block is visible to this row
+          if (t0 >= t1) {
+            std::fill(pr, pr + BP, 0.f);
+            continue;
+          }
           const bool partial = t0 > 0 || t1 < bs;
           // Logits; hidden offsets and the padding up to BP are -inf by position, never
           // computed from cache data.
-          float* pr = S.p.data() + r * BP;
           sum_lane_groups(S.raw.data() + r * KP, x, bs, pr);
           for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
           if (!plain_logits || partial) {
@@ -512,12 +543,12 @@ void attention_impl(const AttentionParams& P) {
           }
           const float m_old = S.m[r];
           const float m_new = std::max(m_old, bmax);
-          float* orow = S.o.data() + r * DP;
           if (m_new > m_old && m_old != neg_inf) {
             const float a = std::exp(m_old - m_new);
             const VecF alpha(a);
             S.l[r] *= a;
-            for (int64_t j = 0; j < DP; j += W) (VecF::loadu(orow + j) * alpha).store(orow + j);
+            float* arow = S.acc.data() + r * D * W;
+            for (int64_t j = 0; j < D * W; j += W) (VecF::loadu(arow + j) * alpha).store(arow + j);
           }
           S.m[r] = m_new;
           // p = exp(z - m); exp(-inf) = 0 for hidden offsets and padding.
@@ -529,27 +560,52 @@ void attention_impl(const AttentionParams& P) {
             sum = sum + e;
           }
           S.l[r] += hsum(sum);
-          if (fast_pv) {
-            if (NV == 1) pv_head_fast<1>(vf, pr, orow, D);
-            else if (NV == 2) pv_head_fast<2>(vf, pr, orow, D);
-            else pv_head_fast<4>(vf, pr, orow, D);
+        }
+        // p . v for all rows. V columns no row sees may hold NaN (0 * NaN = NaN): such blocks
+        // go through an fp32 copy with those columns zeroed. A full block is read in place
+        // when one tile of rows covers all of them (else it is converted once, for all tiles).
+        const bool full = t0_all == 0 && t1_all == bs;
+        if (fast_pv) {
+          auto run = [&](auto nv, const auto* src) {
+            constexpr int NVc = decltype(nv)::value, RT = 8 / NVc;
+            float* accp = S.acc.data();
+            const float* pp = S.p.data();
+            int64_t r2 = 0;
+            for (; r2 + RT <= R; r2 += RT)
+              pv_tile<NVc, RT>(src, pp + r2 * BP, BP, accp + r2 * D * W, D * W, D, pf_v);
+            for (; r2 < R; ++r2)
+              pv_tile<NVc, 1>(src, pp + r2 * BP, BP, accp + r2 * D * W, D * W, D, pf_v);
+          };
+          auto dispatch = [&](const auto* src) {
+            if (NV == 1) run(std::integral_constant<int, 1>{}, src);
+            else if (NV == 2) run(std::integral_constant<int, 2>{}, src);
+            else run(std::integral_constant<int, 4>{}, src);
+          };
+          if (full && (std::is_same_v<CT, float> || R <= 8 / NV)) {
+            dispatch(vblk);
           } else {
-            pv_head_any(vf, pr, orow, D, bs);
+            v_block_to_f32(vblk, S.vtmp.data(), D, bs, t0_all, t1_all);
+            dispatch(static_cast<const float*>(S.vtmp.data()));
           }
+        } else {
+          v_block_to_f32(vblk, S.vtmp.data(), D, bs, t0_all, t1_all);
+          for (r = 0; r < R; ++r)
+            pv_row_any(S.vtmp.data(), S.p.data() + r * BP, S.acc.data() + r * D * W, D, bs);
         }
       }
+      for (int64_t r = 0; r < R; ++r) reduce_acc(S.acc.data() + r * D * W, S.o.data() + r * D, D);
       if (plan.splits > 1) {
         for (int64_t g = 0; g < G; ++g) {
           part_ml[(item * G + g) * 2] = S.m[g];
           part_ml[(item * G + g) * 2 + 1] = S.l[g];
-          std::copy(S.o.begin() + g * DP, S.o.begin() + g * DP + D, part_o.begin() + (item * G + g) * D);
+          std::copy(S.o.begin() + g * D, S.o.begin() + g * D + D, part_o.begin() + (item * G + g) * D);
         }
         continue;
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t j = j0 + r / G, g = r % G;
         QT* o = o_base + (row0 + (multi ? j : 0)) * P.out_stride_seq + (h0 + g) * P.out_stride_head;
-        const float* orow = S.o.data() + r * DP;
+        const float* orow = S.o.data() + r * D;
         // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
         const float inv = S.l[r] > 0.f ? v_scale / S.l[r] : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(orow[d] * inv);
