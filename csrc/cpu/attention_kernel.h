@@ -329,6 +329,9 @@ void attention_impl(const AttentionParams& P) {
   const int64_t chunk_elems = bs * x;
   const int64_t KP = round_up(chunk_elems, W);  // raw row, padded to whole vectors
   const int64_t BP = round_up(bs, W);           // probability row, padded to whole vectors
+  // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
+  // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
+  const int64_t AS = D * W + 16;
   const int64_t XW = std::max<int64_t>(x, W);   // q chunk repetition length (x, W: powers of 2)
   const int64_t NV = bs / W;                    // V row vectors in the fast PV path
   const bool fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
@@ -398,7 +401,7 @@ void attention_impl(const AttentionParams& P) {
     grow(S.qrep, R_max * num_chunks * XW);
     grow(S.raw, R_max * KP);
     grow(S.p, R_max * BP);
-    grow(S.acc, R_max * D * W);
+    grow(S.acc, R_max * AS);
     grow(S.o, R_max * D);
     grow(S.vtmp, D * bs);
     grow(S.m, R_max);
@@ -463,7 +466,7 @@ void attention_impl(const AttentionParams& P) {
         S.m[r] = neg_inf;
         S.l[r] = 0.f;
       }
-      std::fill(S.acc.begin(), S.acc.begin() + R * D * W, 0.f);
+      std::fill(S.acc.begin(), S.acc.begin() + R * AS, 0.f);
       const int32_t* table = P.block_tables + s * P.bt_stride_seq;
       for (int64_t b = b_first; b <= b_last; ++b) {
         const int64_t blk = table[b * P.bt_stride_col];
@@ -536,7 +539,7 @@ void attention_impl(const AttentionParams& P) {
             const float a = std::exp(m_old - m_new);
             const VecF alpha(a);
             S.l[r] *= a;
-            float* arow = S.acc.data() + r * D * W;
+            float* arow = S.acc.data() + r * AS;
             for (int64_t j = 0; j < D * W; j += W) (VecF::loadu(arow + j) * alpha).store(arow + j);
           }
           S.m[r] = m_new;
@@ -561,10 +564,10 @@ void attention_impl(const AttentionParams& P) {
             const float* pp = S.p.data();
             int64_t r2 = 0;
             for (; r2 + RT <= R; r2 += RT)
-              pv_tile<NVc, RT>(src, pp + r2 * BP, BP, accp + r2 * D * W, D * W, D, vnext,
+              pv_tile<NVc, RT>(src, pp + r2 * BP, BP, accp + r2 * AS, AS, D, vnext,
                                vrow_bytes);
             for (; r2 < R; ++r2)
-              pv_tile<NVc, 1>(src, pp + r2 * BP, BP, accp + r2 * D * W, D * W, D, vnext,
+              pv_tile<NVc, 1>(src, pp + r2 * BP, BP, accp + r2 * AS, AS, D, vnext,
                               vrow_bytes);
           };
           auto dispatch = [&](const auto* src) {
@@ -581,10 +584,10 @@ void attention_impl(const AttentionParams& P) {
         } else {
           v_block_to_f32(vblk, S.vtmp.data(), D, bs, t0_all, t1_all);
           for (r = 0; r < R; ++r)
-            pv_row_any(S.vtmp.data(), S.p.data() + r * BP, S.acc.data() + r * D * W, D, bs);
+            pv_row_any(S.vtmp.data(), S.p.data() + r * BP, S.acc.data() + r * AS, D, bs);
         }
       }
-      for (int64_t r = 0; r < R; ++r) reduce_acc(S.acc.data() + r * D * W, S.o.data() + r * D, D);
+      for (int64_t r = 0; r < R; ++r) reduce_acc(S.acc.data() + r * AS, S.o.data() + r * D, D);
       if (plan.splits > 1) {
         for (int64_t g = 0; g < G; ++g) {
           part_ml[(item * G + g) * 2] = S.m[g];
