@@ -66,7 +66,6 @@ inline VecF load_f32(const T* p, int64_t count = W) {
   if constexpr (std::is_same_v<T, float>) {
     return count == W ? VecF::loadu(p) : VecF::loadu(p, count);
   } else if constexpr (is_fp8_v<T>) {
-    const float* lut = fp8_table<T>();
     const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
 #if defined(CPU_CAPABILITY_AVX2)
     if (count == W) {
@@ -84,6 +83,9 @@ inline VecF load_f32(const T* p, int64_t count = W) {
       }
     }
 #endif
+    // The table only here: its first-use guard (a call) inside the vector path above made the
+    // compiler spill every vector register around it.
+    const float* lut = fp8_table<T>();
     float tmp[W] = {};
     for (int64_t i = 0; i < count; ++i) tmp[i] = lut[b[i]];
     return VecF::loadu(tmp);
@@ -116,10 +118,10 @@ inline float to_f32(T v) {
 struct Scratch {
   std::vector<float> qrep;   // [R][D/x][XW]: q chunk c (pre-scaled) repeated to XW lanes
   std::vector<float> raw;    // [R][KP] per-lane partial q.k sums of one block (t * x + i)
-  std::vector<float> p;      // [R][BP] logits, then probabilities of one block (0 when hidden)
+  std::vector<float> p;      // [R][kGroup * BP] logits, then probabilities of a group of blocks
   std::vector<float> acc;    // [R][D][W] running sum of p * v, lanes not yet summed (see pv_tile)
   std::vector<float> o;      // [R][D] acc with its lanes summed, at the end of an item
-  std::vector<float> vtmp;   // [D * bs] fp32 copy of a V block, columns hidden from all rows 0
+  std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
   std::vector<float> m, l;   // [R] running max / normalizer
 };
 
@@ -248,25 +250,27 @@ inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z)
 
 // p . v without horizontal sums: acc[r][d] is a W-lane vector whose lanes hold sum_t p[r][t] *
 // v[d][t] over the offsets t = lane (mod W), summed across lanes once per work item
-// (reduce_acc) instead of once per block. For a [D][bs] V block with bs == NV * W: every V row is
-// loaded (and converted) once for a tile of RT query rows, whose RT * NV probability vectors stay
-// in registers.
-template <int NV, int RT, typename VT>
-inline void pv_tile(const VT* vblk, const float* p, int64_t p_stride, float* acc,
-                    int64_t acc_stride, int64_t D, const char* vnext, int64_t vrow_bytes) {
-  VecF pr[RT][NV];
-  for (int r = 0; r < RT; ++r)
-    for (int i = 0; i < NV; ++i) pr[r][i] = VecF::loadu(p + r * p_stride + i * W);
+// (reduce_acc) instead of once per block. For the nb [D][bs] V blocks of a group, bs == NV * W:
+// the accumulators of a tile of RT query rows stay in registers across the group (one load and
+// store per group), each V row is loaded (and converted) once for the tile, and the
+// probabilities p[r][k * BP + t] are FMA memory operands. next[k]: the blocks to prefetch.
+template <int NV, int RT, typename VT, typename NT>
+inline void pv_group(const VT* const* src, int64_t nb, const float* p, int64_t p_stride,
+                     float* acc, int64_t acc_stride, int64_t D, const NT* const* next,
+                     int64_t vrow_bytes) {
+  constexpr int64_t BPv = NV * W;
   for (int64_t d = 0; d < D; ++d) {
-    prefetch_l2(vnext + d * vrow_bytes);  // row d of the next block
-    VecF v[NV];
-    for (int i = 0; i < NV; ++i) v[i] = load_f32(vblk + d * (NV * W) + i * W);
-    for (int r = 0; r < RT; ++r) {
-      float* a = acc + r * acc_stride + d * W;
-      VecF sum = VecF::loadu(a);
-      for (int i = 0; i < NV; ++i) sum = at::vec::fmadd(v[i], pr[r][i], sum);
-      sum.store(a);
+    VecF a[RT];
+    for (int r = 0; r < RT; ++r) a[r] = VecF::loadu(acc + r * acc_stride + d * W);
+    for (int64_t k = 0; k < nb; ++k) {
+      prefetch_l2(reinterpret_cast<const char*>(next[k]) + d * vrow_bytes);
+      VecF v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = load_f32(src[k] + d * BPv + i * W);
+      for (int r = 0; r < RT; ++r)
+        for (int i = 0; i < NV; ++i)
+          a[r] = at::vec::fmadd(v[i], VecF::loadu(p + r * p_stride + k * BPv + i * W), a[r]);
     }
+    for (int r = 0; r < RT; ++r) a[r].store(acc + r * acc_stride + d * W);
   }
 }
 
@@ -319,6 +323,9 @@ struct Plan {
   int64_t num_items;
 };
 
+// Blocks per softmax step (see the block loop).
+constexpr int64_t kGroup = 4;
+
 template <typename QT, typename CT>
 void attention_impl(const AttentionParams& P) {
   const int64_t G = P.num_heads / P.num_kv_heads;
@@ -329,6 +336,7 @@ void attention_impl(const AttentionParams& P) {
   const int64_t chunk_elems = bs * x;
   const int64_t KP = round_up(chunk_elems, W);  // raw row, padded to whole vectors
   const int64_t BP = round_up(bs, W);           // probability row, padded to whole vectors
+  const int64_t PG = kGroup * BP;               // probabilities of a group of blocks
   // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
   // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
   const int64_t AS = D * W + 16;
@@ -400,10 +408,10 @@ void attention_impl(const AttentionParams& P) {
     const int64_t R_max = plan.tokens_per_chunk * G;
     grow(S.qrep, R_max * num_chunks * XW);
     grow(S.raw, R_max * KP);
-    grow(S.p, R_max * BP);
+    grow(S.p, R_max * PG);
     grow(S.acc, R_max * AS);
     grow(S.o, R_max * D);
-    grow(S.vtmp, D * bs);
+    grow(S.vtmp, kGroup * D * bs);
     grow(S.m, R_max);
     grow(S.l, R_max);
     std::vector<int64_t> row_P, row_lo;  // per row: last visible position, first visible one
@@ -468,70 +476,108 @@ void attention_impl(const AttentionParams& P) {
       }
       std::fill(S.acc.begin(), S.acc.begin() + R * AS, 0.f);
       const int32_t* table = P.block_tables + s * P.bt_stride_seq;
-      for (int64_t b = b_first; b <= b_last; ++b) {
-        const int64_t blk = table[b * P.bt_stride_col];
-        const CT* kblk = kc + blk * P.k_stride_block + kvh * (D * bs);
-        const CT* vblk = vc + blk * P.v_stride_block + kvh * (D * bs);
-        // The next block, for the prefetches (the last one prefetches itself: harmless).
-        const int64_t nb = b < b_last ? table[(b + 1) * P.bt_stride_col] : blk;
-        const CT* knext = kc + nb * P.k_stride_block + kvh * (D * bs);
-        const char* vnext = reinterpret_cast<const char*>(vc + nb * P.v_stride_block + kvh * (D * bs));
-        const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
-        // Offsets of this block visible to at least one row: [t0_all, t1_all).
-        const int64_t t0_all = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
-        const int64_t t1_all = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
-        // QK for every row, in register tiles of 4 rows.
-        int64_t r = 0;
-        auto qk = [&](auto tile, auto one_q) {
-          constexpr int G_T = decltype(tile)::value;
-          for (; r + G_T <= R; r += G_T)
-            qk_tile<G_T, decltype(one_q)::value>(kblk, S.qrep.data() + r * num_chunks * XW,
-                                                 S.raw.data() + r * KP, num_chunks, chunk_elems,
-                                                 KP, XW, knext);
-        };
-        if (XW == W) {
-          qk(std::integral_constant<int, 4>{}, std::true_type{});
-          qk(std::integral_constant<int, 1>{}, std::true_type{});
-        } else {
-          qk(std::integral_constant<int, 4>{}, std::false_type{});
-          qk(std::integral_constant<int, 1>{}, std::false_type{});
+      auto k_at = [&](int64_t b) {
+        return kc + table[b * P.bt_stride_col] * P.k_stride_block + kvh * (D * bs);
+      };
+      auto v_at = [&](int64_t b) {
+        return vc + table[b * P.bt_stride_col] * P.v_stride_block + kvh * (D * bs);
+      };
+      // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the p.v
+      // accumulators per group. While a group is read, the next one is prefetched.
+      const CT* kg[kGroup];
+      const CT* vg[kGroup];
+      const CT* kn[kGroup];
+      const CT* vn[kGroup];
+      int64_t nb_next = 0;
+      if (b_first <= b_last) {
+        nb_next = std::min<int64_t>(kGroup, b_last - b_first + 1);
+        for (int64_t k = 0; k < nb_next; ++k) {
+          kn[k] = k_at(b_first + k);
+          vn[k] = v_at(b_first + k);
         }
-        // Softmax of each row over this block: p[r] = e^(z - m_new), 0 where hidden (and for a
-        // row that sees none of the block).
-        for (r = 0; r < R; ++r) {
-          float* pr = S.p.data() + r * BP;
-          const int64_t t0 = std::clamp<int64_t>(row_lo[r] - b * bs, 0, bs);
-          const int64_t t1 = std::clamp<int64_t>(row_P[r] + 1 - b * bs, 0, bs);
-          if (t0 >= t1) {
-            std::fill(pr, pr + BP, 0.f);
-            continue;
+      }
+      for (int64_t b0 = b_first; b0 <= b_last; b0 += kGroup) {
+        const int64_t nb = nb_next;
+        for (int64_t k = 0; k < nb; ++k) {
+          kg[k] = kn[k];
+          vg[k] = vn[k];
+        }
+        // The next group (this one again after the last: the prefetches are then harmless).
+        const int64_t b1 = b0 + nb;
+        nb_next = b1 <= b_last ? std::min<int64_t>(kGroup, b_last - b1 + 1) : 0;
+        for (int64_t k = 0; k < kGroup; ++k) {
+          if (k < nb_next) {
+            kn[k] = k_at(b1 + k);
+            vn[k] = v_at(b1 + k);
+          } else {
+            kn[k] = kg[std::min<int64_t>(k, nb - 1)];
+            vn[k] = vg[std::min<int64_t>(k, nb - 1)];
           }
-          const bool partial = t0 > 0 || t1 < bs;
-          // Logits; hidden offsets and the padding up to BP are -inf by position, never
-          // computed from cache data.
-          sum_lane_groups(S.raw.data() + r * KP, x, bs, pr);
-          for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
-          if (!plain_logits || partial) {
-            const int64_t g = r % G;
-            const float slope = P.alibi_slopes ? P.alibi_slopes[(h0 + g) * P.alibi_stride] : 0.f;
-            for (int64_t t = 0; t < bs; ++t) {
-              if (t < t0 || t >= t1) {
-                pr[t] = neg_inf;
-                continue;
+        }
+        // Logits of every row for each block of the group: p[r][k * BP + t]; hidden offsets
+        // and the padding up to BP are -inf by position, never computed from cache data.
+        bool all_full = true;  // every offset of every block visible to some row
+        for (int64_t k = 0; k < nb; ++k) {
+          const int64_t b = b0 + k;
+          int64_t r = 0;
+          auto qk = [&](auto tile, auto one_q) {
+            constexpr int G_T = decltype(tile)::value;
+            for (; r + G_T <= R; r += G_T)
+              qk_tile<G_T, decltype(one_q)::value>(kg[k], S.qrep.data() + r * num_chunks * XW,
+                                                   S.raw.data() + r * KP, num_chunks,
+                                                   chunk_elems, KP, XW, kn[k]);
+          };
+          if (XW == W) {
+            qk(std::integral_constant<int, 4>{}, std::true_type{});
+            qk(std::integral_constant<int, 1>{}, std::true_type{});
+          } else {
+            qk(std::integral_constant<int, 4>{}, std::false_type{});
+            qk(std::integral_constant<int, 1>{}, std::false_type{});
+          }
+          const int64_t t0_all = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
+          const int64_t t1_all = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
+          all_full = all_full && t0_all == 0 && t1_all == bs;
+          for (r = 0; r < R; ++r) {
+            float* pr = S.p.data() + r * PG + k * BP;
+            const int64_t t0 = std::clamp<int64_t>(row_lo[r] - b * bs, 0, bs);
+            const int64_t t1 = std::clamp<int64_t>(row_P[r] + 1 - b * bs, 0, bs);
+            if (t0 >= t1) {  // nothing of this block is visible to this row
+              std::fill(pr, pr + BP, neg_inf);
+              continue;
+            }
+            sum_lane_groups(S.raw.data() + r * KP, x, bs, pr);
+            for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
+            if (!plain_logits || t0 > 0 || t1 < bs) {
+              const int64_t g = r % G;
+              const float slope = P.alibi_slopes ? P.alibi_slopes[(h0 + g) * P.alibi_stride] : 0.f;
+              for (int64_t t = 0; t < bs; ++t) {
+                if (t < t0 || t >= t1) {
+                  pr[t] = neg_inf;
+                  continue;
+                }
+                float v = pr[t];
+                if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
+                if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - row_P[r]);
+                pr[t] = v;
               }
-              float v = pr[t];
-              if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
-              if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - row_P[r]);
-              pr[t] = v;
             }
           }
+        }
+        // Softmax step of each row over the group: p = e^(z - m_new) (0 where hidden).
+        const int64_t n = nb * BP;
+        for (int64_t r = 0; r < R; ++r) {
+          float* pr = S.p.data() + r * PG;
           VecF vmax(neg_inf);
-          for (int64_t j = 0; j < BP; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
+          for (int64_t j = 0; j < n; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
           float bmax = neg_inf;
           {
             float tmp[W];
             vmax.store(tmp);
             for (int64_t k = 0; k < W; ++k) bmax = std::max(bmax, tmp[k]);
+          }
+          if (bmax == neg_inf) {  // the row sees none of the group
+            std::fill(pr, pr + n, 0.f);
+            continue;
           }
           const float m_old = S.m[r];
           const float m_new = std::max(m_old, bmax);
@@ -543,48 +589,57 @@ void attention_impl(const AttentionParams& P) {
             for (int64_t j = 0; j < D * W; j += W) (VecF::loadu(arow + j) * alpha).store(arow + j);
           }
           S.m[r] = m_new;
-          // p = exp(z - m); exp(-inf) = 0 for hidden offsets and padding.
           VecF sum(0.f);
           const VecF vm(m_new);
-          for (int64_t j = 0; j < BP; j += W) {
+          for (int64_t j = 0; j < n; j += W) {
             const VecF e = (VecF::loadu(pr + j) - vm).exp_u20();
             e.store(pr + j);
             sum = sum + e;
           }
           S.l[r] += hsum(sum);
         }
-        // p . v for all rows. V columns no row sees may hold NaN (0 * NaN = NaN): such blocks
-        // go through an fp32 copy with those columns zeroed. A full block is read in place
-        // when one tile of rows covers all of them (else it is converted once, for all tiles).
-        const bool full = t0_all == 0 && t1_all == bs;
+        // p . v for all rows. V columns no row sees may hold NaN (0 * NaN = NaN): such groups
+        // go through an fp32 copy with those columns zeroed. Full blocks are read in place
+        // when one tile of rows covers all of them (else converted once, for all tiles).
+        const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
+        auto vcopy = [&]() {
+          for (int64_t k = 0; k < nb; ++k) {
+            const int64_t b = b0 + k;
+            v_block_to_f32(vg[k], S.vtmp.data() + k * D * bs, D, bs,
+                           std::clamp<int64_t>(lo_min - b * bs, 0, bs),
+                           std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs));
+          }
+        };
         if (fast_pv) {
-          auto run = [&](auto nv, const auto* src) {
-            constexpr int NVc = decltype(nv)::value, RT = 8 / NVc;
+          auto run = [&](auto nv, auto src) {
+            constexpr int NVc = decltype(nv)::value;
             float* accp = S.acc.data();
             const float* pp = S.p.data();
             int64_t r2 = 0;
-            for (; r2 + RT <= R; r2 += RT)
-              pv_tile<NVc, RT>(src, pp + r2 * BP, BP, accp + r2 * AS, AS, D, vnext,
-                               vrow_bytes);
+            for (; r2 + 4 <= R; r2 += 4)
+              pv_group<NVc, 4>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn, vrow_bytes);
             for (; r2 < R; ++r2)
-              pv_tile<NVc, 1>(src, pp + r2 * BP, BP, accp + r2 * AS, AS, D, vnext,
-                              vrow_bytes);
+              pv_group<NVc, 1>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn, vrow_bytes);
           };
-          auto dispatch = [&](const auto* src) {
+          auto dispatch = [&](auto src) {
             if (NV == 1) run(std::integral_constant<int, 1>{}, src);
             else if (NV == 2) run(std::integral_constant<int, 2>{}, src);
             else run(std::integral_constant<int, 4>{}, src);
           };
-          if (full && (std::is_same_v<CT, float> || R <= 8 / NV)) {
-            dispatch(vblk);
+          if (all_full && (std::is_same_v<CT, float> || R <= 4)) {
+            dispatch(static_cast<const CT* const*>(vg));
           } else {
-            v_block_to_f32(vblk, S.vtmp.data(), D, bs, t0_all, t1_all);
-            dispatch(static_cast<const float*>(S.vtmp.data()));
+            vcopy();
+            const float* vf[kGroup];
+            for (int64_t k = 0; k < nb; ++k) vf[k] = S.vtmp.data() + k * D * bs;
+            dispatch(static_cast<const float* const*>(vf));
           }
         } else {
-          v_block_to_f32(vblk, S.vtmp.data(), D, bs, t0_all, t1_all);
-          for (r = 0; r < R; ++r)
-            pv_row_any(S.vtmp.data(), S.p.data() + r * BP, S.acc.data() + r * AS, D, bs);
+          vcopy();
+          for (int64_t k = 0; k < nb; ++k)
+            for (int64_t r = 0; r < R; ++r)
+              pv_row_any(S.vtmp.data() + k * D * bs, S.p.data() + r * PG + k * BP,
+                         S.acc.data() + r * AS, D, bs);
         }
       }
       for (int64_t r = 0; r < R; ++r) reduce_acc(S.acc.data() + r * AS, S.o.data() + r * D, D);
