@@ -136,6 +136,9 @@ inline void grow(std::vector<float>& v, int64_t n) {
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
+// Blocks per softmax step (see the block loop of attention_impl).
+constexpr int64_t kGroup = 4;
+
 // Prefetch of the next block, spread over the loops that read this one: the table scatters
 // blocks, so the hardware prefetcher cannot guess the next one, and a burst of prefetches for a
 // whole block stalls on the core's miss buffers. Into L2 (locality 1), so the current block
@@ -254,14 +257,24 @@ inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z)
 // the accumulators of a tile of RT query rows stay in registers across the group (one load and
 // store per group), each V row is loaded (and converted) once for the tile, and the
 // probabilities p[r][k * BP + t] are FMA memory operands. next[k]: the blocks to prefetch.
-template <int NV, int RT, typename VT, typename NT>
-inline void pv_group(const VT* const* src, int64_t nb, const float* p, int64_t p_stride,
-                     float* acc, int64_t acc_stride, int64_t D, const NT* const* next,
+// NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb blocks.
+template <int NV, int RT, int NB, typename VT, typename NT>
+inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int64_t p_stride,
+                     float* acc, int64_t acc_stride, int64_t D, const NT* const* next_in,
                      int64_t vrow_bytes) {
   constexpr int64_t BPv = NV * W;
+  constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
+  const int64_t nb = NB > 0 ? NB : nb_in;
+  const VT* src[NBA];
+  const NT* next[NBA];
+  for (int64_t k = 0; k < nb; ++k) {
+    src[k] = src_in[k];
+    next[k] = next_in[k];
+  }
   for (int64_t d = 0; d < D; ++d) {
     VecF a[RT];
     for (int r = 0; r < RT; ++r) a[r] = VecF::loadu(acc + r * acc_stride + d * W);
+#pragma GCC unroll 4
     for (int64_t k = 0; k < nb; ++k) {
       prefetch_l2(reinterpret_cast<const char*>(next[k]) + d * vrow_bytes);
       VecF v[NV];
@@ -322,9 +335,6 @@ struct Plan {
   std::vector<int64_t> chunk_start;  // multi-token: prefix sums of chunks per sequence
   int64_t num_items;
 };
-
-// Blocks per softmax step (see the block loop).
-constexpr int64_t kGroup = 4;
 
 template <typename QT, typename CT>
 void attention_impl(const AttentionParams& P) {
@@ -616,10 +626,15 @@ void attention_impl(const AttentionParams& P) {
             float* accp = S.acc.data();
             const float* pp = S.p.data();
             int64_t r2 = 0;
+            if (nb == kGroup) {
+              for (; r2 + 4 <= R; r2 += 4)
+                pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn,
+                                         vrow_bytes);
+            }
             for (; r2 + 4 <= R; r2 += 4)
-              pv_group<NVc, 4>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn, vrow_bytes);
+              pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn, vrow_bytes);
             for (; r2 < R; ++r2)
-              pv_group<NVc, 1>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn, vrow_bytes);
+              pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn, vrow_bytes);
           };
           auto dispatch = [&](auto src) {
             if (NV == 1) run(std::integral_constant<int, 1>{}, src);
