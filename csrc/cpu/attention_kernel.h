@@ -150,11 +150,49 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }
 // kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
 // q chunk c repeated to XW = max(x, W) lanes, so the q vector at offset j % XW lines up with
 // the K vector at j.
+// Keeps a vector in a register: stops the compiler from folding its load into every FMA that
+// uses it (one load per use would then bound the loop).
+inline VecF in_register(VecF v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256 r = v;
+  asm("" : "+x"(r));
+  return VecF(r);
+#else
+  return v;
+#endif
+}
+
+// raw[g][j + t * W ...] for TT K vectors at element offset j of every chunk, all pairing with the
+// same (repeated) q chunk vector.
+template <int G_T, int TT, typename T>
+inline void qk_step_oneq(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                         int64_t chunk_elems, int64_t raw_stride, const T* knext, int64_t j) {
+  VecF a[G_T][TT];
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TT; ++t) a[g][t] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    prefetch_l2(knext + c * chunk_elems + j);  // the same bytes of the next block
+    VecF k[TT];
+    for (int t = 0; t < TT; ++t) k[t] = load_f32(kblk + c * chunk_elems + j + t * W);
+    for (int g = 0; g < G_T; ++g) {
+      const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * W));
+      for (int t = 0; t < TT; ++t) a[g][t] = at::vec::fmadd(k[t], q, a[g][t]);
+    }
+  }
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TT; ++t) a[g][t].store(raw + g * raw_stride + j + t * W);
+}
+
 template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, int64_t XW, const T* knext) {
   // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
   int64_t j = 0;
+  if constexpr (ONE_Q) {
+    // Three K vectors per step: 3 K loads + G_T q loads feed 3 G_T FMAs (the two-vector step
+    // below needs 2 G_T q loads for 2 G_T FMAs, and runs out of load slots first).
+    for (; j + 3 * W <= chunk_elems; j += 3 * W) qk_step_oneq<G_T, 3>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, j);
+  }
   // Two K vectors per step: 2 loads + G_T (or 2 G_T) q loads feed 2 G_T FMAs.
   for (; j + 2 * W <= chunk_elems; j += 2 * W) {
     const int64_t o0 = j % XW, o1 = (j + W) % XW;
@@ -271,20 +309,31 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
     src[k] = src_in[k];
     next[k] = next_in[k];
   }
-  for (int64_t d = 0; d < D; ++d) {
-    VecF a[RT];
-    for (int r = 0; r < RT; ++r) a[r] = VecF::loadu(acc + r * acc_stride + d * W);
+  // DT V rows per step share each probability load (one load feeds DT FMAs).
+  constexpr int DT = NV <= 2 ? 2 : 1;
+  auto step = [&](int64_t d, auto dt_c) {
+    constexpr int DTc = decltype(dt_c)::value;
+    VecF a[RT][DTc];
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DTc; ++u) a[r][u] = VecF::loadu(acc + r * acc_stride + (d + u) * W);
 #pragma GCC unroll 4
     for (int64_t k = 0; k < nb; ++k) {
       prefetch_l2(reinterpret_cast<const char*>(next[k]) + d * vrow_bytes);
-      VecF v[NV];
-      for (int i = 0; i < NV; ++i) v[i] = load_f32(src[k] + d * BPv + i * W);
+      VecF v[DTc][NV];
+      for (int u = 0; u < DTc; ++u)
+        for (int i = 0; i < NV; ++i) v[u][i] = load_f32(src[k] + (d + u) * BPv + i * W);
       for (int r = 0; r < RT; ++r)
-        for (int i = 0; i < NV; ++i)
-          a[r] = at::vec::fmadd(v[i], VecF::loadu(p + r * p_stride + k * BPv + i * W), a[r]);
+        for (int i = 0; i < NV; ++i) {
+          const VecF pv = in_register(VecF::loadu(p + r * p_stride + k * BPv + i * W));
+          for (int u = 0; u < DTc; ++u) a[r][u] = at::vec::fmadd(v[u][i], pv, a[r][u]);
+        }
     }
-    for (int r = 0; r < RT; ++r) a[r].store(acc + r * acc_stride + d * W);
-  }
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DTc; ++u) a[r][u].store(acc + r * acc_stride + (d + u) * W);
+  };
+  int64_t d = 0;
+  for (; d + DT <= D; d += DT) step(d, std::integral_constant<int, DT>{});
+  for (; d < D; ++d) step(d, std::integral_constant<int, 1>{});
 }
 
 // Any block size: a [D][bs] fp32 V block, one row at a time, vectors over t (zero-filled tail).
