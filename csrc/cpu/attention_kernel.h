@@ -171,7 +171,9 @@ inline void qk_step_oneq(const T* kblk, const float* qrep, float* raw, int64_t n
   for (int g = 0; g < G_T; ++g)
     for (int t = 0; t < TT; ++t) a[g][t] = VecF(0.f);
   for (int64_t c = 0; c < num_chunks; ++c) {
-    prefetch_l2(knext + c * chunk_elems + j);  // the same bytes of the next block
+    // The same bytes of the next block: the first and last line of the TT vectors.
+    prefetch_l2(knext + c * chunk_elems + j);
+    prefetch_l2(knext + c * chunk_elems + j + TT * W - 1);
     VecF k[TT];
     for (int t = 0; t < TT; ++t) k[t] = load_f32(kblk + c * chunk_elems + j + t * W);
     for (int g = 0; g < G_T; ++g) {
