@@ -104,6 +104,29 @@ inline VecF load_f32(const T* p, int64_t count = W) {
   }
 }
 
+// Load 2 * W elements of T as two fp32 vectors. fp8 on AVX2: one 16-byte load, widened and
+// shifted once for both halves.
+template <typename T>
+inline void load2_f32(const T* p, VecF& lo, VecF& hi) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (is_fp8_v<T>) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m256i h;
+    if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+      h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+    } else {  // see load_f32
+      h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                           _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    }
+    lo = VecF(_mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+    hi = VecF(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    return;
+  }
+#endif
+  lo = load_f32(p);
+  hi = load_f32(p + W);
+}
+
 template <typename T>
 inline float to_f32(T v) {
   if constexpr (is_fp8_v<T>) {
@@ -185,10 +208,49 @@ inline void qk_step_oneq(const T* kblk, const float* qrep, float* raw, int64_t n
     for (int t = 0; t < TT; ++t) a[g][t].store(raw + g * raw_stride + j + t * W);
 }
 
+// Chunks of two vectors (x == 2 W: fp8 on AVX2): the two halves of a token's chunk pair with
+// the two halves of the q chunk and accumulate into one vector per token, so raw holds W
+// lanes per token (sum them with x = W). TOK tokens from token t0 per step; each q half is
+// loaded once for TOK tokens.
+template <int G_T, int TOK, typename T>
+inline void qk_step_fold(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                         int64_t chunk_elems, int64_t raw_stride, const T* knext, int64_t t0) {
+  VecF a[G_T][TOK];
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t off = c * chunk_elems + t0 * 2 * W;
+    prefetch_l2(knext + off);
+    prefetch_l2(knext + off + TOK * 2 * W - 1);
+    VecF k[TOK][2];
+    for (int t = 0; t < TOK; ++t) load2_f32(kblk + off + t * 2 * W, k[t][0], k[t][1]);
+    for (int g = 0; g < G_T; ++g) {
+      const float* q = qrep + (g * num_chunks + c) * 2 * W;
+      const VecF q0 = in_register(VecF::loadu(q));
+      const VecF q1 = in_register(VecF::loadu(q + W));
+      for (int t = 0; t < TOK; ++t) {
+        a[g][t] = at::vec::fmadd(k[t][0], q0, a[g][t]);
+        a[g][t] = at::vec::fmadd(k[t][1], q1, a[g][t]);
+      }
+    }
+  }
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (t0 + t) * W);
+}
+
 template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, int64_t XW, const T* knext) {
   // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
+  if (!ONE_Q && XW == 2 * W) {
+    const int64_t bs = chunk_elems / XW;
+    int64_t t = 0;
+    for (; t + 2 <= bs; t += 2)
+      qk_step_fold<G_T, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t);
+    for (; t < bs; ++t)
+      qk_step_fold<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t);
+    return;
+  }
   int64_t j = 0;
   if constexpr (ONE_Q) {
     // Three K vectors per step: 3 K loads + G_T q loads feed 3 G_T FMAs (the two-vector step
@@ -323,7 +385,11 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
       prefetch_l2(reinterpret_cast<const char*>(next[k]) + d * vrow_bytes);
       VecF v[DTc][NV];
       for (int u = 0; u < DTc; ++u)
-        for (int i = 0; i < NV; ++i) v[u][i] = load_f32(src[k] + (d + u) * BPv + i * W);
+        if constexpr (NV == 2) {
+          load2_f32(src[k] + (d + u) * BPv, v[u][0], v[u][1]);
+        } else {
+          for (int i = 0; i < NV; ++i) v[u][i] = load_f32(src[k] + (d + u) * BPv + i * W);
+        }
       for (int r = 0; r < RT; ++r)
         for (int i = 0; i < NV; ++i) {
           const VecF pv = in_register(VecF::loadu(p + r * p_stride + k * BPv + i * W));
@@ -401,7 +467,8 @@ void attention_impl(const AttentionParams& P) {
   // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
   // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
   const int64_t AS = D * W + 16;
-  const int64_t XW = std::max<int64_t>(x, W);   // q chunk repetition length (x, W: powers of 2)
+  const int64_t XW = std::max<int64_t>(x, W);
+  const int64_t x_sum = XW == 2 * W ? W : x;  // raw lanes per token (see qk_step_fold)   // q chunk repetition length (x, W: powers of 2)
   const int64_t NV = bs / W;                    // V row vectors in the fast PV path
   const bool fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
   const bool plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
@@ -606,7 +673,7 @@ void attention_impl(const AttentionParams& P) {
               std::fill(pr, pr + BP, neg_inf);
               continue;
             }
-            sum_lane_groups(S.raw.data() + r * KP, x, bs, pr);
+            sum_lane_groups(S.raw.data() + r * KP, x_sum, bs, pr);
             for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
             if (!plain_logits || t0 > 0 || t1 < bs) {
               const int64_t g = r % G;
