@@ -185,77 +185,65 @@ inline VecF in_register(VecF v) {
 #endif
 }
 
-// raw[g][j + t * W ...] for TT K vectors at element offset j of every chunk, all pairing with the
-// same (repeated) q chunk vector.
-template <int G_T, int TT, typename T>
-inline void qk_step_oneq(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
-                         int64_t chunk_elems, int64_t raw_stride, const T* knext, int64_t j) {
-  VecF a[G_T][TT];
-  for (int g = 0; g < G_T; ++g)
-    for (int t = 0; t < TT; ++t) a[g][t] = VecF(0.f);
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    // The same bytes of the next block: the first and last line of the TT vectors.
-    prefetch_l2(knext + c * chunk_elems + j);
-    prefetch_l2(knext + c * chunk_elems + j + TT * W - 1);
-    VecF k[TT];
-    for (int t = 0; t < TT; ++t) k[t] = load_f32(kblk + c * chunk_elems + j + t * W);
-    for (int g = 0; g < G_T; ++g) {
-      const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * W));
-      for (int t = 0; t < TT; ++t) a[g][t] = at::vec::fmadd(k[t], q, a[g][t]);
-    }
-  }
-  for (int g = 0; g < G_T; ++g)
-    for (int t = 0; t < TT; ++t) a[g][t].store(raw + g * raw_stride + j + t * W);
-}
-
-// Chunks of two vectors (x == 2 W: fp8 on AVX2): the two halves of a token's chunk pair with
-// the two halves of the q chunk and accumulate into one vector per token, so raw holds W
-// lanes per token (sum them with x = W). TOK tokens from token t0 per step; each q half is
-// loaded once for TOK tokens.
-template <int G_T, int TOK, typename T>
-inline void qk_step_fold(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
-                         int64_t chunk_elems, int64_t raw_stride, const T* knext, int64_t t0) {
+// One q.k step over every chunk of a key block, for TOK units of H vectors each starting at
+// element `in` of the chunk; unit t pairs with the q chunk (H vectors, q repeated to H * W
+// lanes) and accumulates into raw[g][out + t * W ...]. Each q vector is loaded once per chunk
+// for all TOK units (kept in a register, not folded into every FMA: loads bound the loop).
+//   H = 1 (x <= W, q repeated): units are K vectors, several tokens' chunks each when x < W.
+//   H = 2 (x == 2 W: fp8 on AVX2): a unit is one token's chunk; its two halves fold into one
+//     accumulator, so raw holds W lanes per token (summed with x = W).
+template <int G_T, int TOK, int H, typename T>
+inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                    int64_t chunk_elems, int64_t raw_stride, const T* knext, int64_t in,
+                    int64_t out) {
   VecF a[G_T][TOK];
   for (int g = 0; g < G_T; ++g)
     for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
   for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t off = c * chunk_elems + t0 * 2 * W;
+    const int64_t off = c * chunk_elems + in;
+    // The same bytes of the next block: the first and last line of this step's span.
     prefetch_l2(knext + off);
-    prefetch_l2(knext + off + TOK * 2 * W - 1);
-    VecF k[TOK][2];
-    for (int t = 0; t < TOK; ++t) load2_f32(kblk + off + t * 2 * W, k[t][0], k[t][1]);
+    prefetch_l2(knext + off + TOK * H * W - 1);
+    VecF k[TOK][H];
+    for (int t = 0; t < TOK; ++t) {
+      if constexpr (H == 2) {
+        load2_f32(kblk + off + t * 2 * W, k[t][0], k[t][1]);
+      } else {
+        k[t][0] = load_f32(kblk + off + t * W);
+      }
+    }
     for (int g = 0; g < G_T; ++g) {
-      const float* q = qrep + (g * num_chunks + c) * 2 * W;
-      const VecF q0 = in_register(VecF::loadu(q));
-      const VecF q1 = in_register(VecF::loadu(q + W));
-      for (int t = 0; t < TOK; ++t) {
-        a[g][t] = at::vec::fmadd(k[t][0], q0, a[g][t]);
-        a[g][t] = at::vec::fmadd(k[t][1], q1, a[g][t]);
+      for (int h = 0; h < H; ++h) {
+        const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * H * W + h * W));
+        for (int t = 0; t < TOK; ++t) a[g][t] = at::vec::fmadd(k[t][h], q, a[g][t]);
       }
     }
   }
   for (int g = 0; g < G_T; ++g)
-    for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (t0 + t) * W);
+    for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + out + t * W);
 }
 
 template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, int64_t XW, const T* knext) {
   // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
-  if (!ONE_Q && XW == 2 * W) {
+  if (!ONE_Q && XW == 2 * W) {  // two tokens per step, each q half loaded once for both
     const int64_t bs = chunk_elems / XW;
     int64_t t = 0;
     for (; t + 2 <= bs; t += 2)
-      qk_step_fold<G_T, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t);
+      qk_step<G_T, 2, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t * XW,
+                         t * W);
     for (; t < bs; ++t)
-      qk_step_fold<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t);
+      qk_step<G_T, 1, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t * XW,
+                         t * W);
     return;
   }
   int64_t j = 0;
   if constexpr (ONE_Q) {
     // Three K vectors per step: 3 K loads + G_T q loads feed 3 G_T FMAs (the two-vector step
     // below needs 2 G_T q loads for 2 G_T FMAs, and runs out of load slots first).
-    for (; j + 3 * W <= chunk_elems; j += 3 * W) qk_step_oneq<G_T, 3>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, j);
+    for (; j + 3 * W <= chunk_elems; j += 3 * W)
+      qk_step<G_T, 3, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, j, j);
   }
   // Two K vectors per step: 2 loads + G_T (or 2 G_T) q loads feed 2 G_T FMAs.
   for (; j + 2 * W <= chunk_elems; j += 2 * W) {
