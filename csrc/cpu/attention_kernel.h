@@ -370,7 +370,10 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
       for (int u = 0; u < DTc; ++u) a[r][u] = VecF::loadu(acc + r * acc_stride + (d + u) * W);
 #pragma GCC unroll 4
     for (int64_t k = 0; k < nb; ++k) {
-      prefetch_l2(reinterpret_cast<const char*>(next[k]) + d * vrow_bytes);
+      // The same rows of the next block: the first and last line of the DTc rows.
+      const char* pf = reinterpret_cast<const char*>(next[k]) + d * vrow_bytes;
+      prefetch_l2(pf);
+      if constexpr (DTc > 1) prefetch_l2(pf + DTc * vrow_bytes - 1);
       VecF v[DTc][NV];
       for (int u = 0; u < DTc; ++u)
         if constexpr (NV == 2) {
