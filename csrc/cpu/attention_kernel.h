@@ -522,6 +522,50 @@ void attention_impl(const AttentionParams& P) {
   const int64_t grain = std::max<int64_t>(
       1, (kMinTaskCost * plan.num_items + total_cost - 1) / std::max<int64_t>(total_cost, 1));
 
+  // What a work item covers: its sequence, kv head, query tokens [j0, j1) and the block range
+  // [b_first, b_last] visible to some row (lo_min: first visible position, P_max: last).
+  struct ItemInfo {
+    int64_t s, kvh, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
+  };
+  auto item_info = [&](int64_t item) {
+    ItemInfo it{};
+    it.j0 = 0;
+    it.j1 = 1;
+    it.q_len = 1;
+    int64_t split = 0;
+    if (multi) {
+      const int64_t c = item / P.num_kv_heads;
+      it.kvh = item % P.num_kv_heads;
+      it.s = std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), c) -
+             plan.chunk_start.begin() - 1;
+      it.q_len = P.query_start_loc[it.s + 1] - P.query_start_loc[it.s];
+      it.j0 = (c - plan.chunk_start[it.s]) * plan.tokens_per_chunk;
+      it.j1 = std::min(it.q_len, it.j0 + plan.tokens_per_chunk);
+      it.row0 = P.query_start_loc[it.s];
+    } else {
+      split = item % plan.splits;
+      it.kvh = (item / plan.splits) % P.num_kv_heads;
+      it.s = item / (plan.splits * P.num_kv_heads);
+      it.row0 = it.s;
+    }
+    it.L = P.seq_lens[it.s * P.sl_stride];
+    // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = L - q_len + j: both bounds
+    // grow with j.
+    const int64_t P_lo = it.L - it.q_len + it.j0;
+    it.lo_min = P.sliding_window > 0 ? std::max<int64_t>(0, P_lo - P.sliding_window + 1) : 0;
+    it.P_max = it.L - it.q_len + it.j1 - 1;
+    it.b_first = it.L > 0 ? it.lo_min / bs : 0;
+    it.b_last = it.L > 0 ? it.P_max / bs : -1;
+    if (plan.splits > 1) {
+      const int64_t nblk = it.b_last - it.b_first + 1;
+      const int64_t per = (nblk + plan.splits - 1) / plan.splits;
+      const int64_t a = it.b_first + split * per;
+      it.b_last = std::min(it.b_last, a + per - 1);
+      it.b_first = a;
+    }
+    return it;
+  };
+
   at::parallel_for(0, plan.num_items, grain, [&](int64_t begin, int64_t end) {
     Scratch& S = thread_scratch();
     const int64_t R_max = plan.tokens_per_chunk * G;
@@ -537,30 +581,15 @@ void attention_impl(const AttentionParams& P) {
     row_P.reserve(R_max);
     row_lo.reserve(R_max);
     for (int64_t item = begin; item < end; ++item) {
-      // Decode the item.
-      int64_t s, kvh, j0 = 0, j1 = 1, split = 0, q_len = 1, row0;
-      if (multi) {
-        const int64_t c = item / P.num_kv_heads;
-        kvh = item % P.num_kv_heads;
-        s = std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), c) -
-            plan.chunk_start.begin() - 1;
-        q_len = P.query_start_loc[s + 1] - P.query_start_loc[s];
-        j0 = (c - plan.chunk_start[s]) * plan.tokens_per_chunk;
-        j1 = std::min(q_len, j0 + plan.tokens_per_chunk);
-        row0 = P.query_start_loc[s];
-      } else {
-        split = item % plan.splits;
-        kvh = (item / plan.splits) % P.num_kv_heads;
-        s = item / (plan.splits * P.num_kv_heads);
-        row0 = s;
-      }
+      const ItemInfo it = item_info(item);
+      const int64_t s = it.s, kvh = it.kvh, j0 = it.j0, j1 = it.j1, q_len = it.q_len;
+      const int64_t row0 = it.row0, L = it.L, lo_min = it.lo_min, P_max = it.P_max;
+      const int64_t b_first = it.b_first, b_last = it.b_last;
       const int64_t h0 = kvh * G;
-      const int64_t L = P.seq_lens[s * P.sl_stride];
       const int64_t R = (j1 - j0) * G;  // rows: token-major, head-minor
       // Visible range of each row: [lo, Ppos].
       row_P.clear();
       row_lo.clear();
-      int64_t lo_min = std::numeric_limits<int64_t>::max(), P_max = -1;
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t Ppos = L - q_len + j;
         const int64_t lo = P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
@@ -568,17 +597,6 @@ void attention_impl(const AttentionParams& P) {
           row_P.push_back(Ppos);
           row_lo.push_back(lo);
         }
-        lo_min = std::min(lo_min, lo);
-        P_max = std::max(P_max, Ppos);
-      }
-      int64_t b_first = L > 0 ? lo_min / bs : 0;
-      int64_t b_last = L > 0 ? P_max / bs : -1;
-      if (plan.splits > 1) {
-        const int64_t nblk = b_last - b_first + 1;
-        const int64_t per = (nblk + plan.splits - 1) / plan.splits;
-        const int64_t a = b_first + split * per;
-        b_last = std::min(b_last, a + per - 1);
-        b_first = a;
       }
       // Query rows, pre-scaled, chunks repeated across lanes for the QK pass.
       for (int64_t r = 0; r < R; ++r) {
@@ -623,11 +641,30 @@ void attention_impl(const AttentionParams& P) {
         }
         // The next group (this one again after the last: the prefetches are then harmless).
         const int64_t b1 = b0 + nb;
+        const int32_t* table_item = nullptr;
         nb_next = b1 <= b_last ? std::min<int64_t>(kGroup, b_last - b1 + 1) : 0;
+        // After the last group: the first group of the thread's next item.
+        const CT* kn_item = nullptr;
+        const CT* vn_item = nullptr;
+        int64_t b_item = 0, nb_item = 0, stride_item = 0;
+        if (nb_next == 0 && item + 1 < end) {
+          const ItemInfo nx = item_info(item + 1);
+          nb_item = std::max<int64_t>(0, std::min<int64_t>(kGroup, nx.b_last - nx.b_first + 1));
+          const int32_t* t = P.block_tables + nx.s * P.bt_stride_seq;
+          kn_item = kc + nx.kvh * (D * bs);
+          vn_item = vc + nx.kvh * (D * bs);
+          b_item = nx.b_first;
+          stride_item = P.bt_stride_col;
+          table_item = t;
+        }
         for (int64_t k = 0; k < kGroup; ++k) {
           if (k < nb_next) {
             kn[k] = k_at(b1 + k);
             vn[k] = v_at(b1 + k);
+          } else if (k < nb_item) {
+            const int64_t blk = table_item[(b_item + k) * stride_item];
+            kn[k] = kn_item + blk * P.k_stride_block;
+            vn[k] = vn_item + blk * P.v_stride_block;
           } else {
             kn[k] = kg[std::min<int64_t>(k, nb - 1)];
             vn[k] = vg[std::min<int64_t>(k, nb - 1)];
