@@ -127,6 +127,33 @@ inline void load2_f32(const T* p, VecF& lo, VecF& hi) {
   hi = load_f32(p + W);
 }
 
+// bf16 pairs: a 32-bit lane of two neighbouring bf16 values holds the upper one as an fp32
+// with its low half cleared, and the lower one shifted up by 16 bits: both exact, without the
+// widening shuffle of load_f32. The values come out split, even offsets then odd ones.
+#if defined(CPU_CAPABILITY_AVX2)
+template <typename T>
+constexpr bool kSplitPairs = std::is_same_v<T, c10::BFloat16>;
+inline void load_bf16_pairs(const c10::BFloat16* p, VecF& even, VecF& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = VecF(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)));
+  odd = VecF(_mm256_castsi256_ps(
+      _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)))));
+}
+// p[0, 2W) reordered the same way: [p0, p2, ..., p14, p1, p3, ..., p15].
+inline void split_pairs(float* p) {
+  const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + W);
+  const __m256 e = _mm256_shuffle_ps(a, b, 0x88);  // [a0 a2 b0 b2 | a4 a6 b4 b6]
+  const __m256 o = _mm256_shuffle_ps(a, b, 0xDD);  // [a1 a3 b1 b3 | a5 a7 b5 b7]
+  _mm256_storeu_ps(p, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)));
+  _mm256_storeu_ps(p + W, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8)));
+}
+#else
+template <typename T>
+constexpr bool kSplitPairs = false;
+inline void load_bf16_pairs(const c10::BFloat16*, VecF&, VecF&) {}
+inline void split_pairs(float*) {}
+#endif
+
 template <typename T>
 inline float to_f32(T v) {
   if constexpr (is_fp8_v<T>) {
@@ -190,8 +217,10 @@ inline VecF in_register(VecF v) {
 // lanes) and accumulates into raw[g][out + t * W ...]. Each q vector is loaded once per chunk
 // for all TOK units (kept in a register, not folded into every FMA: loads bound the loop).
 //   H = 1 (x <= W, q repeated): units are K vectors, several tokens' chunks each when x < W.
-//   H = 2 (x == 2 W: fp8 on AVX2): a unit is one token's chunk; its two halves fold into one
-//     accumulator, so raw holds W lanes per token (summed with x = W).
+//   H = 2 (q repeated to 2 W lanes): units of 2 W elements whose two halves fold into one
+//     accumulator. fp8 on AVX2 (x = 2 W): a unit is one token's chunk, raw holds W lanes per
+//     token. bf16 on AVX2 read in pairs (load_bf16_pairs): a unit is two tokens' chunks split
+//     into even and odd elements, raw holds W / 2 lanes per token.
 template <int G_T, int TOK, int H, typename T>
 inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, const T* knext, int64_t in,
@@ -207,7 +236,11 @@ inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     VecF k[TOK][H];
     for (int t = 0; t < TOK; ++t) {
       if constexpr (H == 2) {
-        load2_f32(kblk + off + t * 2 * W, k[t][0], k[t][1]);
+        if constexpr (kSplitPairs<T>) {
+          load_bf16_pairs(kblk + off + t * 2 * W, k[t][0], k[t][1]);  // q split to match
+        } else {
+          load2_f32(kblk + off + t * 2 * W, k[t][0], k[t][1]);
+        }
       } else {
         k[t][0] = load_f32(kblk + off + t * W);
       }
@@ -227,7 +260,7 @@ template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, int64_t XW, const T* knext) {
   // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
-  if (!ONE_Q && XW == 2 * W) {  // two tokens per step, each q half loaded once for both
+  if (!ONE_Q && XW == 2 * W) {  // two units per step, each q half loaded once for both
     const int64_t bs = chunk_elems / XW;
     int64_t t = 0;
     for (; t + 2 <= bs; t += 2)
@@ -376,7 +409,9 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
       if constexpr (DTc > 1) prefetch_l2(pf + DTc * vrow_bytes - 1);
       VecF v[DTc][NV];
       for (int u = 0; u < DTc; ++u)
-        if constexpr (NV == 2) {
+        if constexpr (NV == 2 && kSplitPairs<VT>) {
+          load_bf16_pairs(src[k] + (d + u) * BPv, v[u][0], v[u][1]);  // p split to match
+        } else if constexpr (NV == 2) {
           load2_f32(src[k] + (d + u) * BPv, v[u][0], v[u][1]);
         } else {
           for (int i = 0; i < NV; ++i) v[u][i] = load_f32(src[k] + (d + u) * BPv + i * W);
@@ -458,8 +493,13 @@ void attention_impl(const AttentionParams& P) {
   // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
   // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
   const int64_t AS = D * W + 16;
-  const int64_t XW = std::max<int64_t>(x, W);
-  const int64_t x_sum = XW == 2 * W ? W : x;  // raw lanes per token (see qk_step_fold)   // q chunk repetition length (x, W: powers of 2)
+  // bf16 keys with an even block size are read in pairs (load_bf16_pairs): units of two
+  // tokens' chunks, split into even and odd elements, each half paired with the q chunk's
+  // even / odd elements.
+  const bool split_k = kSplitPairs<CT> && x * 2 == 2 * W && bs % 2 == 0;
+  // q chunk repetition length (x, W: powers of 2); raw lanes per token.
+  const int64_t XW = split_k ? 2 * W : std::max<int64_t>(x, W);
+  const int64_t x_sum = XW == 2 * W ? x / 2 : x;
   const int64_t NV = bs / W;                    // V row vectors in the fast PV path
   const bool fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
   const bool plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
@@ -605,7 +645,10 @@ void attention_impl(const AttentionParams& P) {
         for (int64_t c = 0; c < num_chunks; ++c) {
           float* rp = S.qrep.data() + (r * num_chunks + c) * XW;
           for (int64_t lane = 0; lane < XW; ++lane) {
-            rp[lane] = static_cast<float>(q[c * x + lane % x]) * qk_scale;
+            // split_k: lanes [0, W) hold the even elements of the chunk, [W, 2W) the odd
+            // ones, each repeated for the two tokens of a unit.
+            const int64_t e = split_k ? 2 * (lane % (W / 2)) + lane / W : lane % x;
+            rp[lane] = static_cast<float>(q[c * x + e]) * qk_scale;
           }
         }
         S.m[r] = neg_inf;
@@ -788,6 +831,10 @@ void attention_impl(const AttentionParams& P) {
             else run(std::integral_constant<int, 4>{}, src);
           };
           if (all_full && (std::is_same_v<CT, float> || R <= 4)) {
+            if (kSplitPairs<CT> && NV == 2) {  // pv_group reads bf16 rows split (even, odd)
+              for (int64_t r = 0; r < R; ++r)
+                for (int64_t k = 0; k < nb; ++k) split_pairs(S.p.data() + r * PG + k * BP);
+            }
             dispatch(static_cast<const CT* const*>(vg));
           } else {
             vcopy();
