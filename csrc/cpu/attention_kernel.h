@@ -196,10 +196,6 @@ constexpr int64_t kGroup = 4;
 // measured faster than once per line.
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }
 
-// raw[g][j] = sum_c qrep[g][c][j % XW] * kblk[c][j] for the G_T rows of a tile, where
-// kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
-// q chunk c repeated to XW = max(x, W) lanes, so the q vector at offset j % XW lines up with
-// the K vector at j.
 // Keeps a vector in a register: stops the compiler from folding its load into every FMA that
 // uses it (one load per use would then bound the loop).
 inline VecF in_register(VecF v) {
@@ -256,17 +252,22 @@ inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + out + t * W);
 }
 
+// raw[g][j] = sum_c qrep[g][c][j % XW] * kblk[c][j] for the G_T rows of a tile, where
+// kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
+// q chunk c repeated to XW = max(x, W) lanes, so the q vector at offset j % XW lines up with
+// the K vector at j. XW == 2 W (fp8, or bf16 read in pairs, on AVX2): the two halves fold into
+// W lanes per unit instead (qk_step, H = 2).
 template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, int64_t XW, const T* knext) {
   // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
   if (!ONE_Q && XW == 2 * W) {  // two units per step, each q half loaded once for both
-    const int64_t bs = chunk_elems / XW;
+    const int64_t units = chunk_elems / XW;  // of 2 W elements: see qk_step, H = 2
     int64_t t = 0;
-    for (; t + 2 <= bs; t += 2)
+    for (; t + 2 <= units; t += 2)
       qk_step<G_T, 2, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t * XW,
                          t * W);
-    for (; t < bs; ++t)
+    for (; t < units; ++t)
       qk_step<G_T, 1, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t * XW,
                          t * W);
     return;
