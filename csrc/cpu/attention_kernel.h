@@ -169,7 +169,7 @@ struct Scratch {
   std::vector<float> qrep;   // [R][D/x][XW]: q chunk c (pre-scaled) repeated to XW lanes
   std::vector<float> raw;    // [R][KP] per-lane partial q.k sums of one block (t * x + i)
   std::vector<float> p;      // [R][kGroup * BP] logits, then probabilities of a group of blocks
-  std::vector<float> acc;    // [R][D][W] running sum of p * v, lanes not yet summed (see pv_tile)
+  std::vector<float> acc;    // [R][D][W] running sum of p * v, lanes not yet summed (see pv_group)
   std::vector<float> o;      // [R][D] acc with its lanes summed, at the end of an item
   std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
   std::vector<float> m, l;   // [R] running max / normalizer
@@ -497,7 +497,7 @@ void attention_impl(const AttentionParams& P) {
   // bf16 keys with an even block size are read in pairs (load_bf16_pairs): units of two
   // tokens' chunks, split into even and odd elements, each half paired with the q chunk's
   // even / odd elements.
-  const bool split_k = kSplitPairs<CT> && x * 2 == 2 * W && bs % 2 == 0;
+  const bool split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
   // q chunk repetition length (x, W: powers of 2); raw lanes per token.
   const int64_t XW = split_k ? 2 * W : std::max<int64_t>(x, W);
   const int64_t x_sum = XW == 2 * W ? x / 2 : x;
@@ -607,6 +607,17 @@ void attention_impl(const AttentionParams& P) {
     return it;
   };
 
+  // K and V of blocks [b, b + n) of sequence s, kv head kvh, through the block table.
+  auto group_blocks = [&](int64_t s, int64_t kvh, int64_t b, int64_t n, const CT** k_out,
+                          const CT** v_out) {
+    const int32_t* table = P.block_tables + s * P.bt_stride_seq;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t blk = table[(b + k) * P.bt_stride_col];
+      k_out[k] = kc + blk * P.k_stride_block + kvh * (D * bs);
+      v_out[k] = vc + blk * P.v_stride_block + kvh * (D * bs);
+    }
+  };
+
   at::parallel_for(0, plan.num_items, grain, [&](int64_t begin, int64_t end) {
     Scratch& S = thread_scratch();
     const int64_t R_max = plan.tokens_per_chunk * G;
@@ -656,67 +667,33 @@ void attention_impl(const AttentionParams& P) {
         S.l[r] = 0.f;
       }
       std::fill(S.acc.begin(), S.acc.begin() + R * AS, 0.f);
-      const int32_t* table = P.block_tables + s * P.bt_stride_seq;
-      auto k_at = [&](int64_t b) {
-        return kc + table[b * P.bt_stride_col] * P.k_stride_block + kvh * (D * bs);
-      };
-      auto v_at = [&](int64_t b) {
-        return vc + table[b * P.bt_stride_col] * P.v_stride_block + kvh * (D * bs);
-      };
       // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the p.v
-      // accumulators per group. While a group is read, the next one is prefetched.
+      // accumulators per group. While a group is read, the next one is prefetched: the rest of
+      // this item's range, or after its last group the first group of the thread's next item.
       const CT* kg[kGroup];
       const CT* vg[kGroup];
       const CT* kn[kGroup];
       const CT* vn[kGroup];
-      int64_t nb_next = 0;
-      if (b_first <= b_last) {
-        nb_next = std::min<int64_t>(kGroup, b_last - b_first + 1);
-        for (int64_t k = 0; k < nb_next; ++k) {
-          kn[k] = k_at(b_first + k);
-          vn[k] = v_at(b_first + k);
-        }
-      }
       for (int64_t b0 = b_first; b0 <= b_last; b0 += kGroup) {
-        const int64_t nb = nb_next;
-        for (int64_t k = 0; k < nb; ++k) {
-          kg[k] = kn[k];
-          vg[k] = vn[k];
-        }
-        // The next group (this one again after the last: the prefetches are then harmless).
-        const int64_t b1 = b0 + nb;
-        const int32_t* table_item = nullptr;
-        nb_next = b1 <= b_last ? std::min<int64_t>(kGroup, b_last - b1 + 1) : 0;
-        // After the last group: the first group of the thread's next item.
-        const CT* kn_item = nullptr;
-        const CT* vn_item = nullptr;
-        int64_t b_item = 0, nb_item = 0, stride_item = 0;
-        if (nb_next == 0 && item + 1 < end) {
+        const int64_t nb = std::min<int64_t>(kGroup, b_last - b0 + 1);
+        group_blocks(s, kvh, b0, nb, kg, vg);
+        int64_t nb_next = 0;
+        if (b0 + nb <= b_last) {
+          nb_next = std::min<int64_t>(kGroup, b_last - b0 - nb + 1);
+          group_blocks(s, kvh, b0 + nb, nb_next, kn, vn);
+        } else if (item + 1 < end) {
           const ItemInfo nx = item_info(item + 1);
-          nb_item = std::max<int64_t>(0, std::min<int64_t>(kGroup, nx.b_last - nx.b_first + 1));
-          const int32_t* t = P.block_tables + nx.s * P.bt_stride_seq;
-          kn_item = kc + nx.kvh * (D * bs);
-          vn_item = vc + nx.kvh * (D * bs);
-          b_item = nx.b_first;
-          stride_item = P.bt_stride_col;
-          table_item = t;
+          nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, kGroup);
+          group_blocks(nx.s, nx.kvh, nx.b_first, nb_next, kn, vn);
         }
-        for (int64_t k = 0; k < kGroup; ++k) {
-          if (k < nb_next) {
-            kn[k] = k_at(b1 + k);
-            vn[k] = v_at(b1 + k);
-          } else if (k < nb_item) {
-            const int64_t blk = table_item[(b_item + k) * stride_item];
-            kn[k] = kn_item + blk * P.k_stride_block;
-            vn[k] = vn_item + blk * P.v_stride_block;
-          } else {
-            kn[k] = kg[std::min<int64_t>(k, nb - 1)];
-            vn[k] = vg[std::min<int64_t>(k, nb - 1)];
-          }
+        for (int64_t k = nb_next; k < kGroup; ++k) {  // nothing left: this group again, harmless
+          kn[k] = kg[std::min<int64_t>(k, nb - 1)];
+          vn[k] = vg[std::min<int64_t>(k, nb - 1)];
         }
         // Logits of every row for each block of the group: p[r][k * BP + t]; hidden offsets
         // and the padding up to BP are -inf by position, never computed from cache data.
         bool all_full = true;  // every offset of every block visible to some row
+        int64_t t0_all[kGroup], t1_all[kGroup];  // offsets of block k visible to some row
         for (int64_t k = 0; k < nb; ++k) {
           const int64_t b = b0 + k;
           int64_t r = 0;
@@ -734,9 +711,9 @@ void attention_impl(const AttentionParams& P) {
             qk(std::integral_constant<int, 4>{}, std::false_type{});
             qk(std::integral_constant<int, 1>{}, std::false_type{});
           }
-          const int64_t t0_all = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
-          const int64_t t1_all = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
-          all_full = all_full && t0_all == 0 && t1_all == bs;
+          t0_all[k] = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
+          t1_all[k] = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
+          all_full = all_full && t0_all[k] == 0 && t1_all[k] == bs;
           for (r = 0; r < R; ++r) {
             float* pr = S.p.data() + r * PG + k * BP;
             const int64_t t0 = std::clamp<int64_t>(row_lo[r] - b * bs, 0, bs);
@@ -803,12 +780,8 @@ void attention_impl(const AttentionParams& P) {
         // when one tile of rows covers all of them (else converted once, for all tiles).
         const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
         auto vcopy = [&]() {
-          for (int64_t k = 0; k < nb; ++k) {
-            const int64_t b = b0 + k;
-            v_block_to_f32(vg[k], S.vtmp.data() + k * D * bs, D, bs,
-                           std::clamp<int64_t>(lo_min - b * bs, 0, bs),
-                           std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs));
-          }
+          for (int64_t k = 0; k < nb; ++k)
+            v_block_to_f32(vg[k], S.vtmp.data() + k * D * bs, D, bs, t0_all[k], t1_all[k]);
         };
         if (fast_pv) {
           auto run = [&](auto nv, auto src) {
