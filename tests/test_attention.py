@@ -61,6 +61,30 @@ def test_long_context(dtype):
     check(pg, q, dtype)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("case", ["one_short", "one_long", "few_mixed"])
+def test_work_split_over_threads(threads, case):
+    # How decode is cut into items depends on the thread count: whole sequences with every kv
+    # head, block-range splits merged afterwards, and kv heads halved into uneven chunks (5 kv
+    # heads: 3 + 2, then 2 + 1 + 2 ...). Every cut must give the same answer.
+    lens = {"one_short": [40], "one_long": [1000], "few_mixed": [300, 1, 129]}[case]
+    pg = make_paged(lens, 5, 64, 16, torch.float32, seed=11)
+    q = random_query(len(lens), 10, 64, torch.float32, scale=2.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = check(pg, q, torch.float32, sliding_window=700)
+    finally:
+        torch.set_num_threads(before)
+    torch.set_num_threads(1)
+    try:
+        one = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                        pg.seq_lens, 64**-0.5, sliding_window=700)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, one, atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_zero_length_rows_are_zero(dtype):
     lens = [0, 5, 0, 17]
