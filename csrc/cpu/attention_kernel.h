@@ -164,15 +164,18 @@ inline float to_f32(T v) {
 }
 
 // Per-thread scratch, grown on demand and reused across calls (no allocation per block or call
-// once warm). R = query rows of a work item (tokens x GQA group).
+// once warm). R = query rows of one kv head of a work item (tokens x GQA group), HR = rows of
+// all its kv heads: the state that lives through the item (qrep, acc, m, l) has HR rows, the
+// per-step buffers R.
 struct Scratch {
-  std::vector<float> qrep;   // [R][D/x][XW]: q chunk c (pre-scaled) repeated to XW lanes
+  std::vector<float> qrep;   // [HR][D/x][XW]: q chunk c (pre-scaled) repeated to XW lanes
   std::vector<float> raw;    // [R][KP] per-lane partial q.k sums of one block (t * x + i)
   std::vector<float> p;      // [R][kGroup * BP] logits, then probabilities of a group of blocks
-  std::vector<float> acc;    // [R][D][W] running sum of p * v, lanes not yet summed (see pv_group)
+  std::vector<float> acc;    // [HR][D][W] running sum of p * v, lanes not yet summed (pv_group)
   std::vector<float> o;      // [R][D] acc with its lanes summed, at the end of an item
+  std::vector<float> qf;     // [D] one query row in fp32, pre-scaled (to fill qrep)
   std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
-  std::vector<float> m, l;   // [R] running max / normalizer
+  std::vector<float> m, l;   // [HR] running max / normalizer
 };
 
 inline Scratch& thread_scratch() {
@@ -195,6 +198,21 @@ constexpr int64_t kGroup = 4;
 // keeps L1. Issued unconditionally at the pace of the reads (a line may be asked for twice):
 // measured faster than once per line.
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }
+
+// Prefetch of a key block in address order, a line per call, however the reads below walk it:
+// q.k reads a key block in strided passes, and prefetches issued in that order were measured
+// 6-7% slower (same access, microbenchmark) than in address order. Calls past the end repeat
+// the last line (cheaper than a branch).
+struct PrefetchCursor {
+  const char* p;
+  const char* last;
+  PrefetchCursor(const void* begin, int64_t bytes)
+      : p(static_cast<const char*>(begin)), last(p + bytes - 64) {}
+  void step() {
+    prefetch_l2(p);
+    p = std::min(p + 64, last);
+  }
+};
 
 // Keeps a vector in a register: stops the compiler from folding its load into every FMA that
 // uses it (one load per use would then bound the loop).
@@ -219,16 +237,15 @@ inline VecF in_register(VecF v) {
 //     into even and odd elements, raw holds W / 2 lanes per token.
 template <int G_T, int TOK, int H, typename T>
 inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
-                    int64_t chunk_elems, int64_t raw_stride, const T* knext, int64_t in,
+                    int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf, int64_t in,
                     int64_t out) {
   VecF a[G_T][TOK];
   for (int g = 0; g < G_T; ++g)
     for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t off = c * chunk_elems + in;
-    // The same bytes of the next block: the first and last line of this step's span.
-    prefetch_l2(knext + off);
-    prefetch_l2(knext + off + TOK * H * W - 1);
+    pf.step();
+    pf.step();
     VecF k[TOK][H];
     for (int t = 0; t < TOK; ++t) {
       if constexpr (H == 2) {
@@ -259,16 +276,16 @@ inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_ch
 // W lanes per unit instead (qk_step, H = 2).
 template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
-                    int64_t chunk_elems, int64_t raw_stride, int64_t XW, const T* knext) {
+                    int64_t chunk_elems, int64_t raw_stride, int64_t XW, PrefetchCursor& pf) {
   // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
   if (!ONE_Q && XW == 2 * W) {  // two units per step, each q half loaded once for both
     const int64_t units = chunk_elems / XW;  // of 2 W elements: see qk_step, H = 2
     int64_t t = 0;
     for (; t + 2 <= units; t += 2)
-      qk_step<G_T, 2, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t * XW,
+      qk_step<G_T, 2, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, t * XW,
                          t * W);
     for (; t < units; ++t)
-      qk_step<G_T, 1, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, t * XW,
+      qk_step<G_T, 1, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, t * XW,
                          t * W);
     return;
   }
@@ -277,7 +294,7 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     // Three K vectors per step: 3 K loads + G_T q loads feed 3 G_T FMAs (the two-vector step
     // below needs 2 G_T q loads for 2 G_T FMAs, and runs out of load slots first).
     for (; j + 3 * W <= chunk_elems; j += 3 * W)
-      qk_step<G_T, 3, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, knext, j, j);
+      qk_step<G_T, 3, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, j, j);
   }
   // Two K vectors per step: 2 loads + G_T (or 2 G_T) q loads feed 2 G_T FMAs.
   for (; j + 2 * W <= chunk_elems; j += 2 * W) {
@@ -285,7 +302,7 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     VecF a[G_T], b[G_T];
     for (int g = 0; g < G_T; ++g) a[g] = b[g] = VecF(0.f);
     for (int64_t c = 0; c < num_chunks; ++c) {
-      prefetch_l2(knext + c * chunk_elems + j);  // the same bytes of the next block
+      pf.step();
       const VecF k0 = load_f32(kblk + c * chunk_elems + j);
       const VecF k1 = load_f32(kblk + c * chunk_elems + j + W);
       for (int g = 0; g < G_T; ++g) {
@@ -472,10 +489,12 @@ inline void v_block_to_f32(const T* vblk, float* dst, int64_t D, int64_t bs, int
   }
 }
 
-// How the work is cut: items enumerate (sequence, kv head, token chunk, split).
+// How the work is cut: items enumerate (sequence, kv heads, token chunk, split).
 struct Plan {
   int64_t tokens_per_chunk;  // query tokens per item (1 for decode)
-  int64_t splits;            // block-range splits per (sequence, kv head) (decode only)
+  int64_t heads_per_item;    // kv heads per item (decode; 1 for multi-token)
+  int64_t head_chunks;       // items per sequence and split: num_kv_heads / heads_per_item, up
+  int64_t splits;            // block-range splits per sequence (decode only)
   std::vector<int64_t> chunk_start;  // multi-token: prefix sums of chunks per sequence
   int64_t num_items;
 };
@@ -501,6 +520,12 @@ void attention_impl(const AttentionParams& P) {
   // q chunk repetition length (x, W: powers of 2); raw lanes per token.
   const int64_t XW = split_k ? 2 * W : std::max<int64_t>(x, W);
   const int64_t x_sum = XW == 2 * W ? x / 2 : x;
+  // Element of a q chunk that each lane of its repeated copy (qrep) holds: e = lane mod x;
+  // split_k: lanes [0, W) hold the even elements, [W, 2W) the odd ones, each twice (the two
+  // tokens of a unit). Once per call: a division per lane cost ~10% of short decode calls.
+  int64_t lane_src[64];  // XW <= max(x, 2 W) <= 32
+  for (int64_t lane = 0; lane < XW; ++lane)
+    lane_src[lane] = split_k ? 2 * (lane % (W / 2)) + lane / W : lane % x;
   const int64_t NV = bs / W;                    // V row vectors in the fast PV path
   const bool fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
   const bool plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
@@ -526,6 +551,8 @@ void attention_impl(const AttentionParams& P) {
 
   Plan plan;
   plan.splits = 1;
+  plan.heads_per_item = 1;
+  plan.head_chunks = P.num_kv_heads;
   if (multi) {
     // Chunks of query tokens: about 64 query rows per item keeps the scratch in L2 and gives
     // long prompts parallelism.
@@ -540,21 +567,32 @@ void attention_impl(const AttentionParams& P) {
     plan.num_items = plan.chunk_start[P.num_seqs] * P.num_kv_heads;
   } else {
     plan.tokens_per_chunk = 1;
-    const int64_t pairs = P.num_seqs * P.num_kv_heads;
-    // Too few (sequence, kv head) pairs for the threads: split the block range of each, but
-    // keep at least 8 blocks per split so the merge stays negligible.
-    if (pairs < 2 * P.num_threads && P.num_threads > 1) {
+    // An item reads every kv head of its blocks: a block's heads are contiguous in the cache,
+    // and the scattered blocks are read much faster in long runs (measured on 2 cores: 27-29
+    // GB/s for 32-64 KiB runs against 15-21 GB/s for the 4-8 KiB of one head). Too few items
+    // for the threads (2 per thread): split the block range of each sequence first (keeping
+    // at least 8 blocks per split so the merge stays negligible), then its kv heads.
+    plan.heads_per_item = P.num_kv_heads;
+    plan.head_chunks = 1;
+    const int64_t want_items = 2 * P.num_threads;
+    if (P.num_threads > 1 && P.num_seqs < want_items) {
       const int64_t max_blocks = (max_len + bs - 1) / bs;
-      const int64_t want = (2 * P.num_threads + pairs - 1) / std::max<int64_t>(pairs, 1);
+      const int64_t want = (want_items + P.num_seqs - 1) / std::max<int64_t>(P.num_seqs, 1);
       plan.splits = std::max<int64_t>(1, std::min<int64_t>(want, max_blocks / 8));
+      while (P.num_seqs * plan.head_chunks * plan.splits < want_items && plan.heads_per_item > 1) {
+        plan.heads_per_item = (plan.heads_per_item + 1) / 2;
+        plan.head_chunks = (P.num_kv_heads + plan.heads_per_item - 1) / plan.heads_per_item;
+      }
     }
-    plan.num_items = pairs * plan.splits;
+    plan.num_items = P.num_seqs * plan.head_chunks * plan.splits;
   }
-  // Split-K partial states: [item][G] of (m, l) and [item][G][D] of unnormalised output.
+  // Split-K partial states, per (sequence, kv head, split): [G] of (m, l), [G][D] of
+  // unnormalised output.
   std::vector<float> part_ml, part_o;
   if (plan.splits > 1) {
-    part_ml.assign(plan.num_items * G * 2, 0.f);
-    part_o.assign(plan.num_items * G * D, 0.f);
+    const int64_t parts = P.num_seqs * P.num_kv_heads * plan.splits;
+    part_ml.assign(parts * G * 2, 0.f);
+    part_o.assign(parts * G * D, 0.f);
   }
 
   // Fork threads only for enough work: each task should cover about kMinTaskCost block x row
@@ -563,17 +601,19 @@ void attention_impl(const AttentionParams& P) {
   const int64_t grain = std::max<int64_t>(
       1, (kMinTaskCost * plan.num_items + total_cost - 1) / std::max<int64_t>(total_cost, 1));
 
-  // What a work item covers: its sequence, kv head, query tokens [j0, j1) and the block range
-  // [b_first, b_last] visible to some row (lo_min: first visible position, P_max: last).
+  // What a work item covers: its sequence, kv heads [kvh, kvh + nh), split, query tokens
+  // [j0, j1) and the block range [b_first, b_last] visible to some row (lo_min: first visible
+  // position, P_max: last).
   struct ItemInfo {
-    int64_t s, kvh, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
+    int64_t s, kvh, nh, split, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
   };
   auto item_info = [&](int64_t item) {
     ItemInfo it{};
     it.j0 = 0;
     it.j1 = 1;
     it.q_len = 1;
-    int64_t split = 0;
+    it.nh = 1;
+    it.split = 0;
     if (multi) {
       const int64_t c = item / P.num_kv_heads;
       it.kvh = item % P.num_kv_heads;
@@ -584,9 +624,10 @@ void attention_impl(const AttentionParams& P) {
       it.j1 = std::min(it.q_len, it.j0 + plan.tokens_per_chunk);
       it.row0 = P.query_start_loc[it.s];
     } else {
-      split = item % plan.splits;
-      it.kvh = (item / plan.splits) % P.num_kv_heads;
-      it.s = item / (plan.splits * P.num_kv_heads);
+      it.split = item % plan.splits;
+      it.kvh = (item / plan.splits) % plan.head_chunks * plan.heads_per_item;
+      it.nh = std::min(plan.heads_per_item, P.num_kv_heads - it.kvh);
+      it.s = item / (plan.splits * plan.head_chunks);
       it.row0 = it.s;
     }
     it.L = P.seq_lens[it.s * P.sl_stride];
@@ -600,7 +641,7 @@ void attention_impl(const AttentionParams& P) {
     if (plan.splits > 1) {
       const int64_t nblk = it.b_last - it.b_first + 1;
       const int64_t per = (nblk + plan.splits - 1) / plan.splits;
-      const int64_t a = it.b_first + split * per;
+      const int64_t a = it.b_first + it.split * per;
       it.b_last = std::min(it.b_last, a + per - 1);
       it.b_first = a;
     }
@@ -620,26 +661,29 @@ void attention_impl(const AttentionParams& P) {
 
   at::parallel_for(0, plan.num_items, grain, [&](int64_t begin, int64_t end) {
     Scratch& S = thread_scratch();
-    const int64_t R_max = plan.tokens_per_chunk * G;
-    grow(S.qrep, R_max * num_chunks * XW);
+    const int64_t R_max = plan.tokens_per_chunk * G;   // rows of one kv head
+    const int64_t HR_max = R_max * plan.heads_per_item;  // rows of an item
+    grow(S.qrep, HR_max * num_chunks * XW);
     grow(S.raw, R_max * KP);
     grow(S.p, R_max * PG);
-    grow(S.acc, R_max * AS);
+    grow(S.acc, HR_max * AS);
     grow(S.o, R_max * D);
+    grow(S.qf, D);
     grow(S.vtmp, kGroup * D * bs);
-    grow(S.m, R_max);
-    grow(S.l, R_max);
+    grow(S.m, HR_max);
+    grow(S.l, HR_max);
     std::vector<int64_t> row_P, row_lo;  // per row: last visible position, first visible one
     row_P.reserve(R_max);
     row_lo.reserve(R_max);
     for (int64_t item = begin; item < end; ++item) {
       const ItemInfo it = item_info(item);
-      const int64_t s = it.s, kvh = it.kvh, j0 = it.j0, j1 = it.j1, q_len = it.q_len;
+      const int64_t s = it.s, j0 = it.j0, j1 = it.j1, q_len = it.q_len, nh = it.nh;
       const int64_t row0 = it.row0, L = it.L, lo_min = it.lo_min, P_max = it.P_max;
       const int64_t b_first = it.b_first, b_last = it.b_last;
-      const int64_t h0 = kvh * G;
-      const int64_t R = (j1 - j0) * G;  // rows: token-major, head-minor
-      // Visible range of each row: [lo, Ppos].
+      // Rows of each kv head: token-major, head-minor (R per kv head; the state of kv head
+      // it.kvh + hl is rows [hl * R, (hl + 1) * R) of qrep, acc, m and l).
+      const int64_t R = (j1 - j0) * G;
+      // Visible range of each row: [lo, Ppos] (the same for every kv head).
       row_P.clear();
       row_lo.clear();
       for (int64_t j = j0; j < j1; ++j) {
@@ -651,195 +695,216 @@ void attention_impl(const AttentionParams& P) {
         }
       }
       // Query rows, pre-scaled, chunks repeated across lanes for the QK pass.
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t j = j0 + r / G, g = r % G;
-        const QT* q = q_base + (row0 + (multi ? j : 0)) * P.q_stride_seq + (h0 + g) * P.q_stride_head;
+      for (int64_t hr = 0; hr < nh * R; ++hr) {
+        const int64_t r = hr % R, j = j0 + r / G, h = (it.kvh + hr / R) * G + r % G;
+        const QT* q = q_base + (row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
+        float* qf = S.qf.data();
+        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[d]) * qk_scale;
         for (int64_t c = 0; c < num_chunks; ++c) {
-          float* rp = S.qrep.data() + (r * num_chunks + c) * XW;
-          for (int64_t lane = 0; lane < XW; ++lane) {
-            // split_k: lanes [0, W) hold the even elements of the chunk, [W, 2W) the odd
-            // ones, each repeated for the two tokens of a unit.
-            const int64_t e = split_k ? 2 * (lane % (W / 2)) + lane / W : lane % x;
-            rp[lane] = static_cast<float>(q[c * x + e]) * qk_scale;
-          }
+          float* rp = S.qrep.data() + (hr * num_chunks + c) * XW;
+          for (int64_t lane = 0; lane < XW; ++lane) rp[lane] = qf[c * x + lane_src[lane]];
         }
-        S.m[r] = neg_inf;
-        S.l[r] = 0.f;
+        S.m[hr] = neg_inf;
+        S.l[hr] = 0.f;
       }
-      std::fill(S.acc.begin(), S.acc.begin() + R * AS, 0.f);
+      std::fill(S.acc.begin(), S.acc.begin() + nh * R * AS, 0.f);
       // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the p.v
-      // accumulators per group. While a group is read, the next one is prefetched: the rest of
-      // this item's range, or after its last group the first group of the thread's next item.
+      // accumulators per group, kv head after kv head. While one kv head of a group is read,
+      // the next is prefetched: the same blocks' next kv head (the bytes that follow), after
+      // the last one the next group's first, after the last group the first group of the
+      // thread's next item.
       const CT* kg[kGroup];
       const CT* vg[kGroup];
       const CT* kn[kGroup];
       const CT* vn[kGroup];
       for (int64_t b0 = b_first; b0 <= b_last; b0 += kGroup) {
         const int64_t nb = std::min<int64_t>(kGroup, b_last - b0 + 1);
-        group_blocks(s, kvh, b0, nb, kg, vg);
-        int64_t nb_next = 0;
-        if (b0 + nb <= b_last) {
-          nb_next = std::min<int64_t>(kGroup, b_last - b0 - nb + 1);
-          group_blocks(s, kvh, b0 + nb, nb_next, kn, vn);
-        } else if (item + 1 < end) {
-          const ItemInfo nx = item_info(item + 1);
-          nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, kGroup);
-          group_blocks(nx.s, nx.kvh, nx.b_first, nb_next, kn, vn);
-        }
-        for (int64_t k = nb_next; k < kGroup; ++k) {  // nothing left: this group again, harmless
-          kn[k] = kg[std::min<int64_t>(k, nb - 1)];
-          vn[k] = vg[std::min<int64_t>(k, nb - 1)];
-        }
-        // Logits of every row for each block of the group: p[r][k * BP + t]; hidden offsets
-        // and the padding up to BP are -inf by position, never computed from cache data.
         bool all_full = true;  // every offset of every block visible to some row
         int64_t t0_all[kGroup], t1_all[kGroup];  // offsets of block k visible to some row
         for (int64_t k = 0; k < nb; ++k) {
           const int64_t b = b0 + k;
-          int64_t r = 0;
-          auto qk = [&](auto tile, auto one_q) {
-            constexpr int G_T = decltype(tile)::value;
-            for (; r + G_T <= R; r += G_T)
-              qk_tile<G_T, decltype(one_q)::value>(kg[k], S.qrep.data() + r * num_chunks * XW,
-                                                   S.raw.data() + r * KP, num_chunks,
-                                                   chunk_elems, KP, XW, kn[k]);
-          };
-          if (XW == W) {
-            qk(std::integral_constant<int, 4>{}, std::true_type{});
-            qk(std::integral_constant<int, 1>{}, std::true_type{});
-          } else {
-            qk(std::integral_constant<int, 4>{}, std::false_type{});
-            qk(std::integral_constant<int, 1>{}, std::false_type{});
-          }
           t0_all[k] = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
           t1_all[k] = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
           all_full = all_full && t0_all[k] == 0 && t1_all[k] == bs;
-          for (r = 0; r < R; ++r) {
-            float* pr = S.p.data() + r * PG + k * BP;
-            const int64_t t0 = std::clamp<int64_t>(row_lo[r] - b * bs, 0, bs);
-            const int64_t t1 = std::clamp<int64_t>(row_P[r] + 1 - b * bs, 0, bs);
-            if (t0 >= t1) {  // nothing of this block is visible to this row
-              std::fill(pr, pr + BP, neg_inf);
-              continue;
+        }
+        for (int64_t hl = 0; hl < nh; ++hl) {
+          const int64_t kvh = it.kvh + hl;
+          const int64_t h0 = kvh * G;
+          float* const qrep_h = S.qrep.data() + hl * R * num_chunks * XW;
+          float* const acc_h = S.acc.data() + hl * R * AS;
+          float* const m_h = S.m.data() + hl * R;
+          float* const l_h = S.l.data() + hl * R;
+          group_blocks(s, kvh, b0, nb, kg, vg);
+          int64_t nb_next = 0;
+          if (hl + 1 < nh) {
+            nb_next = nb;
+            group_blocks(s, kvh + 1, b0, nb, kn, vn);
+          } else if (b0 + nb <= b_last) {
+            nb_next = std::min<int64_t>(kGroup, b_last - b0 - nb + 1);
+            group_blocks(s, it.kvh, b0 + nb, nb_next, kn, vn);
+          } else if (item + 1 < end) {
+            const ItemInfo nx = item_info(item + 1);
+            nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, kGroup);
+            group_blocks(nx.s, nx.kvh, nx.b_first, nb_next, kn, vn);
+          }
+          for (int64_t k = nb_next; k < kGroup; ++k) {  // nothing left: this group again, harmless
+            kn[k] = kg[std::min<int64_t>(k, nb - 1)];
+            vn[k] = vg[std::min<int64_t>(k, nb - 1)];
+          }
+          // Logits of every row for each block of the group: p[r][k * BP + t]; hidden offsets
+          // and the padding up to BP are -inf by position, never computed from cache data.
+          for (int64_t k = 0; k < nb; ++k) {
+            const int64_t b = b0 + k;
+            int64_t r = 0;
+            PrefetchCursor pf(kn[k], D * bs * static_cast<int64_t>(sizeof(CT)));
+            auto qk = [&](auto tile, auto one_q) {
+              constexpr int G_T = decltype(tile)::value;
+              for (; r + G_T <= R; r += G_T)
+                qk_tile<G_T, decltype(one_q)::value>(kg[k], qrep_h + r * num_chunks * XW,
+                                                     S.raw.data() + r * KP, num_chunks,
+                                                     chunk_elems, KP, XW, pf);
+            };
+            if (XW == W) {
+              qk(std::integral_constant<int, 4>{}, std::true_type{});
+              qk(std::integral_constant<int, 1>{}, std::true_type{});
+            } else {
+              qk(std::integral_constant<int, 4>{}, std::false_type{});
+              qk(std::integral_constant<int, 1>{}, std::false_type{});
             }
-            sum_lane_groups(S.raw.data() + r * KP, x_sum, bs, pr);
-            for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
-            if (!plain_logits || t0 > 0 || t1 < bs) {
-              const int64_t g = r % G;
-              const float slope = P.alibi_slopes ? P.alibi_slopes[(h0 + g) * P.alibi_stride] : 0.f;
-              for (int64_t t = 0; t < bs; ++t) {
-                if (t < t0 || t >= t1) {
-                  pr[t] = neg_inf;
-                  continue;
+            for (r = 0; r < R; ++r) {
+              float* pr = S.p.data() + r * PG + k * BP;
+              const int64_t t0 = std::clamp<int64_t>(row_lo[r] - b * bs, 0, bs);
+              const int64_t t1 = std::clamp<int64_t>(row_P[r] + 1 - b * bs, 0, bs);
+              if (t0 >= t1) {  // nothing of this block is visible to this row
+                std::fill(pr, pr + BP, neg_inf);
+                continue;
+              }
+              sum_lane_groups(S.raw.data() + r * KP, x_sum, bs, pr);
+              for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
+              if (!plain_logits || t0 > 0 || t1 < bs) {
+                const int64_t g = r % G;
+                const float slope = P.alibi_slopes ? P.alibi_slopes[(h0 + g) * P.alibi_stride] : 0.f;
+                for (int64_t t = 0; t < bs; ++t) {
+                  if (t < t0 || t >= t1) {
+                    pr[t] = neg_inf;
+                    continue;
+                  }
+                  float v = pr[t];
+                  if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
+                  if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - row_P[r]);
+                  pr[t] = v;
                 }
-                float v = pr[t];
-                if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
-                if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - row_P[r]);
-                pr[t] = v;
               }
             }
           }
-        }
-        // Softmax step of each row over the group: p = e^(z - m_new) (0 where hidden).
-        const int64_t n = nb * BP;
-        for (int64_t r = 0; r < R; ++r) {
-          float* pr = S.p.data() + r * PG;
-          VecF vmax(neg_inf);
-          for (int64_t j = 0; j < n; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
-          float bmax = neg_inf;
-          {
-            float tmp[W];
-            vmax.store(tmp);
-            for (int64_t k = 0; k < W; ++k) bmax = std::max(bmax, tmp[k]);
+          // Softmax step of each row over the group: p = e^(z - m_new) (0 where hidden).
+          const int64_t n = nb * BP;
+          for (int64_t r = 0; r < R; ++r) {
+            float* pr = S.p.data() + r * PG;
+            VecF vmax(neg_inf);
+            for (int64_t j = 0; j < n; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
+            float bmax = neg_inf;
+            {
+              float tmp[W];
+              vmax.store(tmp);
+              for (int64_t k = 0; k < W; ++k) bmax = std::max(bmax, tmp[k]);
+            }
+            if (bmax == neg_inf) {  // the row sees none of the group
+              std::fill(pr, pr + n, 0.f);
+              continue;
+            }
+            const float m_old = m_h[r];
+            const float m_new = std::max(m_old, bmax);
+            if (m_new > m_old && m_old != neg_inf) {
+              const float a = std::exp(m_old - m_new);
+              const VecF alpha(a);
+              l_h[r] *= a;
+              float* arow = acc_h + r * AS;
+              for (int64_t j = 0; j < D * W; j += W) (VecF::loadu(arow + j) * alpha).store(arow + j);
+            }
+            m_h[r] = m_new;
+            VecF sum(0.f);
+            const VecF vm(m_new);
+            for (int64_t j = 0; j < n; j += W) {
+              const VecF e = (VecF::loadu(pr + j) - vm).exp_u20();
+              e.store(pr + j);
+              sum = sum + e;
+            }
+            l_h[r] += hsum(sum);
           }
-          if (bmax == neg_inf) {  // the row sees none of the group
-            std::fill(pr, pr + n, 0.f);
-            continue;
-          }
-          const float m_old = S.m[r];
-          const float m_new = std::max(m_old, bmax);
-          if (m_new > m_old && m_old != neg_inf) {
-            const float a = std::exp(m_old - m_new);
-            const VecF alpha(a);
-            S.l[r] *= a;
-            float* arow = S.acc.data() + r * AS;
-            for (int64_t j = 0; j < D * W; j += W) (VecF::loadu(arow + j) * alpha).store(arow + j);
-          }
-          S.m[r] = m_new;
-          VecF sum(0.f);
-          const VecF vm(m_new);
-          for (int64_t j = 0; j < n; j += W) {
-            const VecF e = (VecF::loadu(pr + j) - vm).exp_u20();
-            e.store(pr + j);
-            sum = sum + e;
-          }
-          S.l[r] += hsum(sum);
-        }
-        // p . v for all rows. V columns no row sees may hold NaN (0 * NaN = NaN): such groups
-        // go through an fp32 copy with those columns zeroed. Full blocks are read in place
-        // when one tile of rows covers all of them (else converted once, for all tiles).
-        const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
-        auto vcopy = [&]() {
-          for (int64_t k = 0; k < nb; ++k)
-            v_block_to_f32(vg[k], S.vtmp.data() + k * D * bs, D, bs, t0_all[k], t1_all[k]);
-        };
-        if (fast_pv) {
-          auto run = [&](auto nv, auto src) {
-            constexpr int NVc = decltype(nv)::value;
-            float* accp = S.acc.data();
-            const float* pp = S.p.data();
-            int64_t r2 = 0;
-            if (nb == kGroup) {
+          // p . v for all rows. V columns no row sees may hold NaN (0 * NaN = NaN): such groups
+          // go through an fp32 copy with those columns zeroed. Full blocks are read in place
+          // when one tile of rows covers all of them (else converted once, for all tiles).
+          const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
+          auto vcopy = [&]() {
+            for (int64_t k = 0; k < nb; ++k)
+              v_block_to_f32(vg[k], S.vtmp.data() + k * D * bs, D, bs, t0_all[k], t1_all[k]);
+          };
+          if (fast_pv) {
+            auto run = [&](auto nv, auto src) {
+              constexpr int NVc = decltype(nv)::value;
+              const float* pp = S.p.data();
+              int64_t r2 = 0;
+              if (nb == kGroup) {
+                for (; r2 + 4 <= R; r2 += 4)
+                  pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
+                                           vrow_bytes);
+              }
               for (; r2 + 4 <= R; r2 += 4)
-                pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn,
-                                         vrow_bytes);
+                pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
+                                    vrow_bytes);
+              for (; r2 < R; ++r2)
+                pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
+                                    vrow_bytes);
+            };
+            auto dispatch = [&](auto src) {
+              if (NV == 1) run(std::integral_constant<int, 1>{}, src);
+              else if (NV == 2) run(std::integral_constant<int, 2>{}, src);
+              else run(std::integral_constant<int, 4>{}, src);
+            };
+            if (all_full && (std::is_same_v<CT, float> || R <= 4)) {
+              if (kSplitPairs<CT> && NV == 2) {  // pv_group reads bf16 rows split (even, odd)
+                for (int64_t r = 0; r < R; ++r)
+                  for (int64_t k = 0; k < nb; ++k) split_pairs(S.p.data() + r * PG + k * BP);
+              }
+              dispatch(static_cast<const CT* const*>(vg));
+            } else {
+              vcopy();
+              const float* vf[kGroup];
+              for (int64_t k = 0; k < nb; ++k) vf[k] = S.vtmp.data() + k * D * bs;
+              dispatch(static_cast<const float* const*>(vf));
             }
-            for (; r2 + 4 <= R; r2 += 4)
-              pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn, vrow_bytes);
-            for (; r2 < R; ++r2)
-              pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, accp + r2 * AS, AS, D, vn, vrow_bytes);
-          };
-          auto dispatch = [&](auto src) {
-            if (NV == 1) run(std::integral_constant<int, 1>{}, src);
-            else if (NV == 2) run(std::integral_constant<int, 2>{}, src);
-            else run(std::integral_constant<int, 4>{}, src);
-          };
-          if (all_full && (std::is_same_v<CT, float> || R <= 4)) {
-            if (kSplitPairs<CT> && NV == 2) {  // pv_group reads bf16 rows split (even, odd)
-              for (int64_t r = 0; r < R; ++r)
-                for (int64_t k = 0; k < nb; ++k) split_pairs(S.p.data() + r * PG + k * BP);
-            }
-            dispatch(static_cast<const CT* const*>(vg));
           } else {
             vcopy();
-            const float* vf[kGroup];
-            for (int64_t k = 0; k < nb; ++k) vf[k] = S.vtmp.data() + k * D * bs;
-            dispatch(static_cast<const float* const*>(vf));
+            for (int64_t k = 0; k < nb; ++k)
+              for (int64_t r = 0; r < R; ++r)
+                pv_row_any(S.vtmp.data() + k * D * bs, S.p.data() + r * PG + k * BP,
+                           acc_h + r * AS, D, bs);
           }
-        } else {
-          vcopy();
-          for (int64_t k = 0; k < nb; ++k)
-            for (int64_t r = 0; r < R; ++r)
-              pv_row_any(S.vtmp.data() + k * D * bs, S.p.data() + r * PG + k * BP,
-                         S.acc.data() + r * AS, D, bs);
         }
       }
-      for (int64_t r = 0; r < R; ++r) reduce_acc(S.acc.data() + r * AS, S.o.data() + r * D, D);
-      if (plan.splits > 1) {
-        for (int64_t g = 0; g < G; ++g) {
-          part_ml[(item * G + g) * 2] = S.m[g];
-          part_ml[(item * G + g) * 2 + 1] = S.l[g];
-          std::copy(S.o.begin() + g * D, S.o.begin() + g * D + D, part_o.begin() + (item * G + g) * D);
+      for (int64_t hl = 0; hl < nh; ++hl) {
+        const int64_t kvh = it.kvh + hl;
+        for (int64_t r = 0; r < R; ++r)
+          reduce_acc(S.acc.data() + (hl * R + r) * AS, S.o.data() + r * D, D);
+        const float* l_h = S.l.data() + hl * R;
+        if (plan.splits > 1) {
+          const int64_t part = (s * P.num_kv_heads + kvh) * plan.splits + it.split;
+          for (int64_t g = 0; g < G; ++g) {
+            part_ml[(part * G + g) * 2] = S.m[hl * R + g];
+            part_ml[(part * G + g) * 2 + 1] = l_h[g];
+            std::copy(S.o.begin() + g * D, S.o.begin() + g * D + D, part_o.begin() + (part * G + g) * D);
+          }
+          continue;
         }
-        continue;
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t j = j0 + r / G, g = r % G;
-        QT* o = o_base + (row0 + (multi ? j : 0)) * P.out_stride_seq + (h0 + g) * P.out_stride_head;
-        const float* orow = S.o.data() + r * D;
-        // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
-        const float inv = S.l[r] > 0.f ? v_scale / S.l[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(orow[d] * inv);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t j = j0 + r / G, g = r % G;
+          QT* o = o_base + (row0 + (multi ? j : 0)) * P.out_stride_seq + (kvh * G + g) * P.out_stride_head;
+          const float* orow = S.o.data() + r * D;
+          // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
+          const float inv = l_h[r] > 0.f ? v_scale / l_h[r] : 0.f;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(orow[d] * inv);
+        }
       }
     }
   });
