@@ -1,0 +1,66 @@
+// Read bandwidth of scattered runs, by run length: what the layout of the paged cache lets the
+// CPU attention kernel read at (README, "What limits the rest"). One pass over 1 GiB cut into
+// runs of RUN bytes visited in random order (each thread its own share), summed with AVX2,
+// with and without a software prefetch of the next run; then the same memory in address order.
+//
+//   g++ -O3 -mavx2 -fopenmp benchmarks/scattered_read.cpp -o /tmp/scattered_read
+//   OMP_NUM_THREADS=2 /tmp/scattered_read
+//
+// One head of one block of the cache is head_size * block_size * element bytes (8 KiB for fp32,
+// 4 KiB for 16-bit at head size 128, block size 16); all kv heads of a block are contiguous.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+static float sum_runs(const char* const* runs, size_t n, size_t run_bytes, bool prefetch) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (size_t r = 0; r < n; ++r) {
+    const char* p = runs[r];
+    const char* next = runs[r + 1 < n ? r + 1 : r];
+    for (size_t o = 0; o < run_bytes; o += 64) {
+      if (prefetch) _mm_prefetch(next + o, _MM_HINT_T1);
+      a0 = _mm256_add_ps(a0, _mm256_loadu_ps(reinterpret_cast<const float*>(p + o)));
+      a1 = _mm256_add_ps(a1, _mm256_loadu_ps(reinterpret_cast<const float*>(p + o + 32)));
+    }
+  }
+  const __m256 s = _mm256_add_ps(a0, a1);
+  return s[0] + s[7];
+}
+
+int main() {
+  const size_t total = size_t(1) << 30;
+  char* buf = static_cast<char*>(std::aligned_alloc(4096, total));
+  std::memset(buf, 1, total);  // touch every page before timing
+  const int threads = omp_get_max_threads();
+  auto gbs = [&](size_t run_bytes, bool shuffled, bool prefetch) {
+    const size_t n = total / run_bytes, per = n / threads;
+    std::vector<size_t> order(n);
+    for (size_t i = 0; i < n; ++i) order[i] = i;
+    if (shuffled) std::shuffle(order.begin(), order.end(), std::mt19937(1));
+    std::vector<const char*> runs(n);
+    for (size_t i = 0; i < n; ++i) runs[i] = buf + order[i] * run_bytes;
+    double best = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      float sink = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel reduction(+ : sink)
+      sink += sum_runs(runs.data() + omp_get_thread_num() * per, per, run_bytes, prefetch);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::min(best, s);
+      if (sink == 1.5f) std::printf(" ");  // keep the sums
+    }
+    return double(per * threads * run_bytes) / best / 1e9;
+  };
+  std::printf("%d threads, GB/s\n", threads);
+  std::printf("%10s %12s %12s\n", "run", "no prefetch", "prefetch");
+  for (size_t kib : {4, 8, 16, 32, 64, 128})
+    std::printf("%7zu KiB %12.1f %12.1f\n", kib, gbs(kib << 10, true, false), gbs(kib << 10, true, true));
+  std::printf("%10s %12.1f\n", "in order", gbs(64 << 10, false, false));
+}
