@@ -200,11 +200,13 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 // Blocks per softmax step (see the block loop of attention_impl).
 constexpr int64_t kGroup = 4;
 
-// Prefetch of the next block, spread over the loops that read this one: the table scatters
-// blocks, so the hardware prefetcher cannot guess the next one, and a burst of prefetches for a
-// whole block stalls on the core's miss buffers. Into L2 (locality 1), so the current block
-// keeps L1. Issued unconditionally at the pace of the reads (a line may be asked for twice):
-// measured faster than once per line.
+// Prefetch of the blocks read next (the next kv head of the group, or the next group), spread
+// over the loops that read the current ones: the table scatters blocks, so the hardware
+// prefetcher cannot find the next group, and a burst of prefetches for whole blocks stalls on
+// the core's miss buffers. Into L2 (locality 1), so the current blocks keep L1. Issued
+// unconditionally at the pace of the reads (a line may be asked for twice): measured faster
+// than a branch per line. (Values prefetched in address order instead, part of it during the
+// softmax, measured 3-10% slower.)
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }
 
 // Prefetch of a key block in address order, a line per call, however the reads below walk it:
