@@ -408,11 +408,12 @@ inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z)
 // the accumulators of a tile of RT query rows stay in registers across the group (one load and
 // store per group), each V row is loaded (and converted) once for the tile, and the
 // probabilities p[r][k * BP + t] are FMA memory operands. next[k]: the blocks to prefetch.
+// init: start from zero rather than from acc (an item's first group).
 // NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb blocks.
 template <int NV, int RT, int NB, typename VT, typename NT>
 inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int64_t p_stride,
                      float* acc, int64_t acc_stride, int64_t D, const NT* const* next_in,
-                     int64_t vrow_bytes) {
+                     int64_t vrow_bytes, bool init) {
   constexpr int64_t BPv = NV * W;
   constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
   const int64_t nb = NB > 0 ? NB : nb_in;
@@ -431,7 +432,8 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
     constexpr int DTc = decltype(dt_c)::value;
     VecF a[RT][DTc];
     for (int r = 0; r < RT; ++r)
-      for (int u = 0; u < DTc; ++u) a[r][u] = VecF::loadu(acc + r * acc_stride + (d + u) * W);
+      for (int u = 0; u < DTc; ++u)
+        a[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d + u) * W);
 #pragma GCC unroll 4
     for (int64_t k = 0; k < nb; ++k) {
       // The same rows of the next block (a row is at most a line).
@@ -720,7 +722,9 @@ void attention_impl(const AttentionParams& P) {
         S.m[hr] = neg_inf;
         S.l[hr] = 0.f;
       }
-      std::fill(S.acc.begin(), S.acc.begin() + nh * R * AS, 0.f);
+      // pv_group starts the accumulators itself on the first group (init); pv_row_any adds,
+      // and an item without blocks (empty split, seq_len 0) still reduces them.
+      if (!fast_pv || b_first > b_last) std::fill(S.acc.begin(), S.acc.begin() + nh * R * AS, 0.f);
       // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the p.v
       // accumulators per group, kv head after kv head. While one kv head of a group is read,
       // the next is prefetched: the same blocks' next kv head (the bytes that follow), after
@@ -859,6 +863,7 @@ void attention_impl(const AttentionParams& P) {
               v_block_to_f32(vg[k], S.vtmp.data() + k * D * bs, D, bs, t0_all[k], t1_all[k]);
           };
           if (fast_pv) {
+            const bool first = b0 == b_first;
             auto run = [&](auto nv, auto src) {
               constexpr int NVc = decltype(nv)::value;
               const float* pp = S.p.data();
@@ -866,14 +871,14 @@ void attention_impl(const AttentionParams& P) {
               if (nb == kGroup) {
                 for (; r2 + 4 <= R; r2 += 4)
                   pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
-                                           vrow_bytes);
+                                           vrow_bytes, first);
               }
               for (; r2 + 4 <= R; r2 += 4)
                 pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
-                                    vrow_bytes);
+                                    vrow_bytes, first);
               for (; r2 < R; ++r2)
                 pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
-                                    vrow_bytes);
+                                    vrow_bytes, first);
             };
             auto dispatch = [&](auto src) {
               if (NV == 1) run(std::integral_constant<int, 1>{}, src);
