@@ -508,7 +508,8 @@ inline void v_block_to_f32(const T* vblk, float* dst, int64_t D, int64_t bs, int
 struct Plan {
   int64_t tokens_per_chunk;  // query tokens per item (1 for decode)
   int64_t heads_per_item;    // kv heads per item (decode; 1 for multi-token)
-  int64_t head_chunks;       // items per sequence and split: num_kv_heads / heads_per_item, up
+  int64_t head_chunks;       // items per sequence and split: num_kv_heads / heads_per_item,
+                             // rounded up (the last chunk may have fewer heads)
   int64_t splits;            // block-range splits per sequence (decode only)
   std::vector<int64_t> chunk_start;  // multi-token: prefix sums of chunks per sequence
   int64_t num_items;
@@ -537,7 +538,7 @@ void attention_impl(const AttentionParams& P) {
   const int64_t x_sum = XW == 2 * W ? x / 2 : x;
   // Element of a q chunk that each lane of its repeated copy (qrep) holds: e = lane mod x;
   // split_k: lanes [0, W) hold the even elements, [W, 2W) the odd ones, each twice (the two
-  // tokens of a unit). Once per call: a division per lane cost ~10% of short decode calls.
+  // tokens of a unit). Once per call: a division per lane cost 10-18% of short decode calls.
   int64_t lane_src[64];  // XW <= max(x, 2 W) <= 32
   for (int64_t lane = 0; lane < XW; ++lane)
     lane_src[lane] = split_k ? 2 * (lane % (W / 2)) + lane / W : lane % x;
@@ -583,8 +584,8 @@ void attention_impl(const AttentionParams& P) {
   } else {
     plan.tokens_per_chunk = 1;
     // An item reads every kv head of its blocks: a block's heads are contiguous in the cache,
-    // and the scattered blocks are read much faster in long runs (measured on 2 cores: 27-29
-    // GB/s for 32-64 KiB runs against 15-21 GB/s for the 4-8 KiB of one head). Too few items
+    // and scattered runs are read much faster when long (benchmarks/scattered_read.cpp, 2
+    // cores: 19-26 GB/s for the 4-8 KiB of one head, 29-31 for 32-64 KiB). Too few items
     // for the threads (2 per thread): split the block range of each sequence first (keeping
     // at least 8 blocks per split so the merge stays negligible), then its kv heads.
     plan.heads_per_item = P.num_kv_heads;
