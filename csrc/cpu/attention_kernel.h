@@ -463,6 +463,41 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
   for (; d < D; ++d) step(d, std::integral_constant<int, 1>{});
 }
 
+// Online-softmax step of one row over a group's logits pr[0, n): pr becomes e^(z - m_new)
+// (0 where z = -inf, and all 0 when the row sees none of the group); the running max m,
+// normalizer l and the row's p.v accumulators acc[0, acc_len) are rescaled when m grows.
+inline void softmax_step(float* pr, int64_t n, float& m, float& l, float* acc, int64_t acc_len) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  VecF vmax(neg_inf);
+  for (int64_t j = 0; j < n; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
+  float bmax = neg_inf;
+  {
+    float tmp[W];
+    vmax.store(tmp);
+    for (int64_t k = 0; k < W; ++k) bmax = std::max(bmax, tmp[k]);
+  }
+  if (bmax == neg_inf) {  // the row sees none of the group
+    std::fill(pr, pr + n, 0.f);
+    return;
+  }
+  const float m_new = std::max(m, bmax);
+  if (m_new > m && m != neg_inf) {
+    const float a = std::exp(m - m_new);
+    const VecF alpha(a);
+    l *= a;
+    for (int64_t j = 0; j < acc_len; j += W) (VecF::loadu(acc + j) * alpha).store(acc + j);
+  }
+  m = m_new;
+  VecF sum(0.f);
+  const VecF vm(m_new);
+  for (int64_t j = 0; j < n; j += W) {
+    const VecF e = (VecF::loadu(pr + j) - vm).exp_u20();
+    e.store(pr + j);
+    sum = sum + e;
+  }
+  l += hsum(sum);
+}
+
 // Any block size: a [D][bs] fp32 V block, one row at a time, vectors over t (zero-filled tail).
 inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D, int64_t bs) {
   for (int64_t d = 0; d < D; ++d) {
@@ -824,37 +859,7 @@ void attention_impl(const AttentionParams& P) {
           for (int64_t r = 0; r < R; ++r) {
             for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
               prefetch_l2(reinterpret_cast<const char*>(vn[i % kGroup]) + i / kGroup * vrow_bytes);
-            float* pr = S.p.data() + r * PG;
-            VecF vmax(neg_inf);
-            for (int64_t j = 0; j < n; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
-            float bmax = neg_inf;
-            {
-              float tmp[W];
-              vmax.store(tmp);
-              for (int64_t k = 0; k < W; ++k) bmax = std::max(bmax, tmp[k]);
-            }
-            if (bmax == neg_inf) {  // the row sees none of the group
-              std::fill(pr, pr + n, 0.f);
-              continue;
-            }
-            const float m_old = m_h[r];
-            const float m_new = std::max(m_old, bmax);
-            if (m_new > m_old && m_old != neg_inf) {
-              const float a = std::exp(m_old - m_new);
-              const VecF alpha(a);
-              l_h[r] *= a;
-              float* arow = acc_h + r * AS;
-              for (int64_t j = 0; j < D * W; j += W) (VecF::loadu(arow + j) * alpha).store(arow + j);
-            }
-            m_h[r] = m_new;
-            VecF sum(0.f);
-            const VecF vm(m_new);
-            for (int64_t j = 0; j < n; j += W) {
-              const VecF e = (VecF::loadu(pr + j) - vm).exp_u20();
-              e.store(pr + j);
-              sum = sum + e;
-            }
-            l_h[r] += hsum(sum);
+            softmax_step(S.p.data() + r * PG, n, m_h[r], l_h[r], acc_h + r * AS, D * W);
           }
           // p . v for all rows. V columns no row sees may hold NaN (0 * NaN = NaN): such groups
           // go through an fp32 copy with those columns zeroed. Full blocks are read in place
