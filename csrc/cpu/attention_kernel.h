@@ -133,18 +133,20 @@ inline void load2_f32(const T* p, VecF& lo, VecF& hi) {
 #if defined(CPU_CAPABILITY_AVX2)
 template <typename T>
 constexpr bool kSplitPairs = std::is_same_v<T, c10::BFloat16>;
+inline VecF bf16_even(__m256i raw) { return VecF(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16))); }
+inline VecF bf16_odd(__m256i raw) {
+  return VecF(_mm256_castsi256_ps(
+      _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)))));
+}
 inline void load_bf16_pairs(const c10::BFloat16* p, VecF& even, VecF& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  even = VecF(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)));
-  odd = VecF(_mm256_castsi256_ps(
-      _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)))));
+  even = bf16_even(raw);
+  odd = bf16_odd(raw);
 }
 // One half of load_bf16_pairs: i = 0 the even elements, i = 1 the odd ones.
 inline VecF load_bf16_half(const c10::BFloat16* p, int i) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return i == 0 ? VecF(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)))
-                : VecF(_mm256_castsi256_ps(
-                      _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)))));
+  return i == 0 ? bf16_even(raw) : bf16_odd(raw);
 }
 // p[0, 2W) reordered the same way: [p0, p2, ..., p14, p1, p3, ..., p15].
 inline void split_pairs(float* p) {
@@ -658,6 +660,10 @@ void attention_impl(const AttentionParams& P) {
   struct ItemInfo {
     int64_t s, kvh, nh, split, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
   };
+  // First position visible to the query row at position Ppos (sliding window).
+  auto first_visible = [&](int64_t Ppos) {
+    return P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
+  };
   auto item_info = [&](int64_t item) {
     ItemInfo it{};
     it.j0 = 0;
@@ -684,8 +690,7 @@ void attention_impl(const AttentionParams& P) {
     it.L = P.seq_lens[it.s * P.sl_stride];
     // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = L - q_len + j: both bounds
     // grow with j.
-    const int64_t P_lo = it.L - it.q_len + it.j0;
-    it.lo_min = P.sliding_window > 0 ? std::max<int64_t>(0, P_lo - P.sliding_window + 1) : 0;
+    it.lo_min = first_visible(it.L - it.q_len + it.j0);
     it.P_max = it.L - it.q_len + it.j1 - 1;
     it.b_first = it.L > 0 ? it.lo_min / bs : 0;
     it.b_last = it.L > 0 ? it.P_max / bs : -1;
@@ -739,7 +744,7 @@ void attention_impl(const AttentionParams& P) {
       row_lo.clear();
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t Ppos = L - q_len + j;
-        const int64_t lo = P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
+        const int64_t lo = first_visible(Ppos);
         for (int64_t g = 0; g < G; ++g) {
           row_P.push_back(Ppos);
           row_lo.push_back(lo);
@@ -916,11 +921,12 @@ void attention_impl(const AttentionParams& P) {
         const int64_t kvh = it.kvh + hl;
         for (int64_t r = 0; r < R; ++r)
           reduce_acc(S.acc.data() + (hl * R + r) * AS, S.o.data() + r * D, D);
+        const float* m_h = S.m.data() + hl * R;
         const float* l_h = S.l.data() + hl * R;
         if (plan.splits > 1) {
           const int64_t part = (s * P.num_kv_heads + kvh) * plan.splits + it.split;
           for (int64_t g = 0; g < G; ++g) {
-            part_ml[(part * G + g) * 2] = S.m[hl * R + g];
+            part_ml[(part * G + g) * 2] = m_h[g];
             part_ml[(part * G + g) * 2 + 1] = l_h[g];
             std::copy(S.o.begin() + g * D, S.o.begin() + g * D + D, part_o.begin() + (part * G + g) * D);
           }
