@@ -1,16 +1,23 @@
 // CPU paged attention, written once with at::vec and compiled per CPU capability (the including
 // file defines CPU_CAPABILITY; see kernels.h and setup.py).
 //
-// Work item = (sequence, kv head, chunk of query tokens, split of the block range): every query
-// row of the item (its tokens x the whole GQA group of heads) is handled together, so each K/V
-// block is read from memory once per item. Decode has one token per sequence; when sequences x
-// kv heads cannot keep every thread busy, long sequences are split over threads and the partial
-// softmax states merged exactly (flash-decoding). Blocks are read straight from the cache
+// Work item = (sequence, kv heads, chunk of query tokens, split of the block range): every query
+// row of a kv head (its tokens x the whole GQA group of heads) is handled together, so each K/V
+// block is read from memory once. Decode has one token per sequence and an item takes all kv
+// heads of its blocks (contiguous in the cache); when the sequences cannot keep every thread
+// busy, long sequences are split over threads and the partial softmax states merged exactly
+// (flash-decoding), then the kv heads. Multi-token items take one kv head. Blocks are read straight from the cache
 // through the block table (no gathered copy) with a blockwise online softmax (seed 004):
 //   m_new = max(m, max_t z_t);  l = l * e^(m - m_new) + sum_t e^(z_t - m_new);
 //   acc = acc * e^(m - m_new) + sum_t e^(z_t - m_new) v_t.
 // Positions that are not visible (past seq_len in the last block, before the sliding window)
 // are excluded by position, never by value, so NaN/Inf in unwritten slots cannot leak.
+//
+// Reading order: make_plan cuts the call into items, item_info says what an item covers, and
+// ItemWorker runs an item on one thread: start (query rows), then for each group of blocks
+// and each kv head group_blocks (what to read and prefetch), logits (q.k, qk_tile), softmax
+// (softmax_step) and pv (pv_group), and finish (normalise, or store a split's partial state
+// for merge_splits).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -186,6 +193,7 @@ struct Scratch {
   std::vector<float> qf;     // [D] one query row in fp32, pre-scaled (to fill qrep)
   std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
   std::vector<float> m, l;   // [HR] running max / normalizer
+  std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
 };
 
 inline Scratch& thread_scratch() {
@@ -377,7 +385,8 @@ inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z)
   if (x == 16) {  // two vectors per token (fp8)
     for (; t + 8 <= ntok; t += 8) {
       VecF r[8];
-      for (int k = 0; k < 8; ++k) r[k] = VecF::loadu(raw + (t + k) * 16) + VecF::loadu(raw + (t + k) * 16 + 8);
+      for (int k = 0; k < 8; ++k)
+        r[k] = VecF::loadu(raw + (t + k) * 16) + VecF::loadu(raw + (t + k) * 16 + 8);
       reduce_rows(r).store(z + t);
     }
   } else if (x == 8) {  // one token per vector
@@ -541,6 +550,11 @@ inline void v_block_to_f32(const T* vblk, float* dst, int64_t D, int64_t bs, int
   }
 }
 
+// First position visible to a query row at position Ppos (sliding window; else 0).
+inline int64_t first_visible(const AttentionParams& P, int64_t Ppos) {
+  return P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
+}
+
 // How the work is cut: items enumerate (sequence, kv heads, token chunk, split).
 struct Plan {
   int64_t tokens_per_chunk;  // query tokens per item (1 for decode)
@@ -550,48 +564,13 @@ struct Plan {
   int64_t splits;            // block-range splits per sequence (decode only)
   std::vector<int64_t> chunk_start;  // multi-token: prefix sums of chunks per sequence
   int64_t num_items;
+  int64_t grain;             // items per parallel task
 };
 
-template <typename QT, typename CT>
-void attention_impl(const AttentionParams& P) {
+inline Plan make_plan(const AttentionParams& P) {
   const int64_t G = P.num_heads / P.num_kv_heads;
-  const int64_t D = P.head_size;
   const int64_t bs = P.block_size;
-  const int64_t x = P.x;
-  const int64_t num_chunks = D / x;
-  const int64_t chunk_elems = bs * x;
-  const int64_t KP = round_up(chunk_elems, W);  // raw row, padded to whole vectors
-  const int64_t BP = round_up(bs, W);           // probability row, padded to whole vectors
-  const int64_t PG = kGroup * BP;               // probabilities of a group of blocks
-  // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
-  // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
-  const int64_t AS = D * W + 16;
-  // bf16 keys with an even block size are read in pairs (load_bf16_pairs): units of two
-  // tokens' chunks, split into even and odd elements, each half paired with the q chunk's
-  // even / odd elements.
-  const bool split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
-  // q chunk repetition length (x, W: powers of 2); raw lanes per token.
-  const int64_t XW = split_k ? 2 * W : std::max<int64_t>(x, W);
-  const int64_t x_sum = XW == 2 * W ? x / 2 : x;
-  // Element of a q chunk that each lane of its repeated copy (qrep) holds: e = lane mod x;
-  // split_k: lanes [0, W) hold the even elements, [W, 2W) the odd ones, each twice (the two
-  // tokens of a unit). Once per call: a division per lane cost 10-18% of short decode calls.
-  int64_t lane_src[64];  // XW <= max(x, 2 W) <= 32
-  for (int64_t lane = 0; lane < XW; ++lane)
-    lane_src[lane] = split_k ? 2 * (lane % (W / 2)) + lane / W : lane % x;
-  const int64_t NV = bs / W;                    // V row vectors in the fast PV path
-  const bool fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
-  const bool plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
-  // (q . s_k k) scale = s_k scale (q . k); fp8_unit: see fp8_unit().
-  const float qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
-  const float v_scale = P.v_scale * fp8_unit<CT>();
-  const QT* q_base = static_cast<const QT*>(P.query);
-  QT* o_base = static_cast<QT*>(P.out);
-  const CT* kc = static_cast<const CT*>(P.key_cache);
-  const CT* vc = static_cast<const CT*>(P.value_cache);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool multi = P.query_start_loc != nullptr;
-
   // One pass over the sequences: the longest one (for the split) and the block x row visits
   // of the whole call (for the grain below).
   int64_t max_len = 0, total_cost = 0;
@@ -639,342 +618,460 @@ void attention_impl(const AttentionParams& P) {
     }
     plan.num_items = P.num_seqs * plan.head_chunks * plan.splits;
   }
+  // Fork threads only for enough work: each task should cover about kMinTaskCost block x row
+  // visits (~0.1 ms), else thread start-up and wake-up dominate small calls.
+  constexpr int64_t kMinTaskCost = 512;
+  plan.grain = std::max<int64_t>(
+      1, (kMinTaskCost * plan.num_items + total_cost - 1) / std::max<int64_t>(total_cost, 1));
+  return plan;
+}
+
+// What a work item covers: its sequence, kv heads [kvh, kvh + nh), split, query tokens
+// [j0, j1) of the sequence's q_len (rows from row0), and the block range [b_first, b_last]
+// visible to some row (lo_min: first visible position, P_max: last; L: the sequence length).
+struct ItemInfo {
+  int64_t s, kvh, nh, split, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
+};
+
+inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t item) {
+  const int64_t bs = P.block_size;
+  ItemInfo it{};
+  it.j0 = 0;
+  it.j1 = 1;
+  it.q_len = 1;
+  it.nh = 1;
+  it.split = 0;
+  if (P.query_start_loc != nullptr) {
+    const int64_t c = item / P.num_kv_heads;
+    it.kvh = item % P.num_kv_heads;
+    it.s = std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), c) -
+           plan.chunk_start.begin() - 1;
+    it.q_len = P.query_start_loc[it.s + 1] - P.query_start_loc[it.s];
+    it.j0 = (c - plan.chunk_start[it.s]) * plan.tokens_per_chunk;
+    it.j1 = std::min(it.q_len, it.j0 + plan.tokens_per_chunk);
+    it.row0 = P.query_start_loc[it.s];
+  } else {
+    it.split = item % plan.splits;
+    it.kvh = (item / plan.splits) % plan.head_chunks * plan.heads_per_item;
+    it.nh = std::min(plan.heads_per_item, P.num_kv_heads - it.kvh);
+    it.s = item / (plan.splits * plan.head_chunks);
+    it.row0 = it.s;
+  }
+  it.L = P.seq_lens[it.s * P.sl_stride];
+  // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = L - q_len + j: both bounds grow
+  // with j.
+  it.lo_min = first_visible(P, it.L - it.q_len + it.j0);
+  it.P_max = it.L - it.q_len + it.j1 - 1;
+  it.b_first = it.L > 0 ? it.lo_min / bs : 0;
+  it.b_last = it.L > 0 ? it.P_max / bs : -1;
+  if (plan.splits > 1) {
+    const int64_t nblk = it.b_last - it.b_first + 1;
+    const int64_t per = (nblk + plan.splits - 1) / plan.splits;
+    const int64_t a = it.b_first + it.split * per;
+    it.b_last = std::min(it.b_last, a + per - 1);
+    it.b_first = a;
+  }
+  return it;
+}
+
+// Per-call constants: the scratch geometry and how the cache type CT is read.
+template <typename CT>
+struct Layout {
+  int64_t G, D, bs, x, num_chunks, chunk_elems;
+  int64_t KP;  // raw row, padded to whole vectors
+  int64_t BP;  // probability row of one block, padded to whole vectors
+  int64_t PG;  // probabilities of a group of blocks
+  // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
+  // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
+  int64_t AS;
+  // bf16 keys with an even block size are read in pairs (load_bf16_pairs): units of two
+  // tokens' chunks, split into even and odd elements, each half paired with the q chunk's
+  // even / odd elements.
+  bool split_k;
+  int64_t XW;     // q chunk repetition length (x, W: powers of 2)
+  int64_t x_sum;  // raw lanes per token
+  // Element of a q chunk that each lane of its repeated copy (qrep) holds: e = lane mod x;
+  // split_k: lanes [0, W) hold the even elements, [W, 2W) the odd ones, each twice (the two
+  // tokens of a unit). Once per call: a division per lane cost 10-18% of short decode calls.
+  int64_t lane_src[64];  // XW <= max(x, 2 W) <= 32
+  int64_t NV;            // V row vectors in the fast PV path
+  bool fast_pv;
+  bool plain_logits;  // no soft cap, no ALiBi
+  // (q . s_k k) scale = s_k scale (q . k); fp8_unit: see fp8_unit().
+  float qk_scale, v_scale;
+
+  explicit Layout(const AttentionParams& P)
+      : G(P.num_heads / P.num_kv_heads), D(P.head_size), bs(P.block_size), x(P.x) {
+    num_chunks = D / x;
+    chunk_elems = bs * x;
+    KP = round_up(chunk_elems, W);
+    BP = round_up(bs, W);
+    PG = kGroup * BP;
+    AS = D * W + 16;
+    split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
+    XW = split_k ? 2 * W : std::max<int64_t>(x, W);
+    x_sum = XW == 2 * W ? x / 2 : x;
+    for (int64_t lane = 0; lane < XW; ++lane)
+      lane_src[lane] = split_k ? 2 * (lane % (W / 2)) + lane / W : lane % x;
+    NV = bs / W;
+    fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
+    plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
+    qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
+    v_scale = P.v_scale * fp8_unit<CT>();
+  }
+};
+
+// The blocks a group step reads (K and V of one kv head, up to kGroup blocks) and the ones to
+// prefetch meanwhile (next).
+template <typename CT>
+struct GroupBlocks {
+  const CT* k[kGroup];
+  const CT* v[kGroup];
+  const CT* k_next[kGroup];
+  const CT* v_next[kGroup];
+  int64_t t0[kGroup], t1[kGroup];  // offsets of block k visible to some row of the item
+  bool all_full;                   // every offset of every block visible to some row
+};
+
+// The work of one thread on its items: the per-item state lives in the thread's Scratch.
+// Rows of each kv head are token-major, head-minor (R per kv head; the state of kv head
+// it.kvh + hl is rows [hl * R, (hl + 1) * R) of qrep, acc, m and l).
+template <typename QT, typename CT>
+struct ItemWorker {
+  const AttentionParams& P;
+  const Layout<CT>& Lt;
+  const Plan& plan;
+  Scratch& S;
+  const CT* const kc;
+  const CT* const vc;
+  ItemInfo it{};
+  int64_t R = 0;  // query rows of one kv head of the item
+
+  ItemWorker(const AttentionParams& P_, const Layout<CT>& Lt_, const Plan& plan_, Scratch& S_)
+      : P(P_), Lt(Lt_), plan(plan_), S(S_), kc(static_cast<const CT*>(P_.key_cache)),
+        vc(static_cast<const CT*>(P_.value_cache)) {
+    const int64_t R_max = plan.tokens_per_chunk * Lt.G;     // rows of one kv head
+    const int64_t HR_max = R_max * plan.heads_per_item;    // rows of an item
+    grow(S.qrep, HR_max * Lt.num_chunks * Lt.XW);
+    grow(S.raw, R_max * Lt.KP);
+    grow(S.p, R_max * Lt.PG);
+    grow(S.acc, HR_max * Lt.AS);
+    grow(S.o, R_max * Lt.D);
+    grow(S.qf, Lt.D);
+    grow(S.vtmp, kGroup * Lt.D * Lt.bs);
+    grow(S.m, HR_max);
+    grow(S.l, HR_max);
+    S.row_P.resize(R_max);
+    S.row_lo.resize(R_max);
+  }
+
+  // K and V of blocks [b, b + n) of sequence s, kv head kvh, through the block table.
+  void blocks(int64_t s, int64_t kvh, int64_t b, int64_t n, const CT** k_out,
+              const CT** v_out) const {
+    const int32_t* table = P.block_tables + s * P.bt_stride_seq;
+    const int64_t head = kvh * (Lt.D * Lt.bs);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t blk = table[(b + k) * P.bt_stride_col];
+      k_out[k] = kc + blk * P.k_stride_block + head;
+      v_out[k] = vc + blk * P.v_stride_block + head;
+    }
+  }
+
+  // Starts item `info`: visible ranges of its rows, query rows (pre-scaled, chunks repeated
+  // across lanes for q.k), running max and normalizer.
+  void start(const ItemInfo& info) {
+    it = info;
+    const int64_t G = Lt.G, D = Lt.D, XW = Lt.XW, num_chunks = Lt.num_chunks;
+    R = (it.j1 - it.j0) * G;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t Ppos = it.L - it.q_len + it.j0 + r / G;
+      S.row_P[r] = Ppos;
+      S.row_lo[r] = first_visible(P, Ppos);
+    }
+    const bool multi = P.query_start_loc != nullptr;
+    const QT* q_base = static_cast<const QT*>(P.query);
+    for (int64_t hr = 0; hr < it.nh * R; ++hr) {
+      const int64_t r = hr % R, j = it.j0 + r / G, h = (it.kvh + hr / R) * G + r % G;
+      const QT* q = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
+      float* qf = S.qf.data();
+      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[d]) * Lt.qk_scale;
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        float* rp = S.qrep.data() + (hr * num_chunks + c) * XW;
+        for (int64_t lane = 0; lane < XW; ++lane) rp[lane] = qf[c * Lt.x + Lt.lane_src[lane]];
+      }
+      S.m[hr] = -std::numeric_limits<float>::infinity();
+      S.l[hr] = 0.f;
+    }
+    // pv_group starts the accumulators itself on the first group (init); pv_row_any adds,
+    // and an item without blocks (empty split, seq_len 0) still reduces them.
+    if (!Lt.fast_pv || it.b_first > it.b_last)
+      std::fill(S.acc.begin(), S.acc.begin() + it.nh * R * Lt.AS, 0.f);
+  }
+
+  // Visible offsets of the group's blocks [b0, b0 + nb) for the item's rows together.
+  void visibility(int64_t b0, int64_t nb, GroupBlocks<CT>& g) const {
+    g.all_full = true;
+    for (int64_t k = 0; k < nb; ++k) {
+      const int64_t b = b0 + k;
+      g.t0[k] = std::clamp<int64_t>(it.lo_min - b * Lt.bs, 0, Lt.bs);
+      g.t1[k] = std::clamp<int64_t>(it.P_max + 1 - b * Lt.bs, 0, Lt.bs);
+      g.all_full = g.all_full && g.t0[k] == 0 && g.t1[k] == Lt.bs;
+    }
+  }
+
+  // The blocks of kv head hl of the group and what to prefetch while they are read: the same
+  // blocks' next kv head (the bytes that follow), after the last one the next group's first,
+  // after the last group the first group of the thread's next item (next_item < end).
+  void group_blocks(int64_t hl, int64_t b0, int64_t nb, int64_t next_item, int64_t end,
+                    GroupBlocks<CT>& g) const {
+    const int64_t kvh = it.kvh + hl;
+    blocks(it.s, kvh, b0, nb, g.k, g.v);
+    int64_t nb_next = 0;
+    if (hl + 1 < it.nh) {
+      nb_next = nb;
+      blocks(it.s, kvh + 1, b0, nb, g.k_next, g.v_next);
+    } else if (b0 + nb <= it.b_last) {
+      nb_next = std::min<int64_t>(kGroup, it.b_last - b0 - nb + 1);
+      blocks(it.s, it.kvh, b0 + nb, nb_next, g.k_next, g.v_next);
+    } else if (next_item < end) {
+      const ItemInfo nx = item_info(P, plan, next_item);
+      nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, kGroup);
+      blocks(nx.s, nx.kvh, nx.b_first, nb_next, g.k_next, g.v_next);
+    }
+    for (int64_t k = nb_next; k < kGroup; ++k) {  // nothing left: this group again, harmless
+      g.k_next[k] = g.k[std::min<int64_t>(k, nb - 1)];
+      g.v_next[k] = g.v[std::min<int64_t>(k, nb - 1)];
+    }
+  }
+
+  // Logits of every row of kv head hl for each block of the group: p[r][k * BP + t]; hidden
+  // offsets and the padding up to BP are -inf by position, never computed from cache data.
+  void logits(int64_t hl, int64_t b0, int64_t nb, const GroupBlocks<CT>& g) {
+    const int64_t num_chunks = Lt.num_chunks, XW = Lt.XW, KP = Lt.KP, BP = Lt.BP, bs = Lt.bs;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const float* const qrep_h = S.qrep.data() + hl * R * num_chunks * XW;
+    const int64_t h0 = (it.kvh + hl) * Lt.G;
+    for (int64_t k = 0; k < nb; ++k) {
+      const int64_t b = b0 + k;
+      int64_t r = 0;
+      PrefetchCursor pf(g.k_next[k], Lt.D * bs * static_cast<int64_t>(sizeof(CT)));
+      auto qk = [&](auto tile, auto one_q) {
+        constexpr int G_T = decltype(tile)::value;
+        for (; r + G_T <= R; r += G_T)
+          qk_tile<G_T, decltype(one_q)::value>(g.k[k], qrep_h + r * num_chunks * XW,
+                                               S.raw.data() + r * KP, num_chunks,
+                                               Lt.chunk_elems, KP, XW, pf);
+      };
+      if (XW == W) {
+        qk(std::integral_constant<int, 4>{}, std::true_type{});
+        qk(std::integral_constant<int, 1>{}, std::true_type{});
+      } else {
+        qk(std::integral_constant<int, 4>{}, std::false_type{});
+        qk(std::integral_constant<int, 1>{}, std::false_type{});
+      }
+      for (r = 0; r < R; ++r) {
+        float* pr = S.p.data() + r * Lt.PG + k * BP;
+        const int64_t t0 = std::clamp<int64_t>(S.row_lo[r] - b * bs, 0, bs);
+        const int64_t t1 = std::clamp<int64_t>(S.row_P[r] + 1 - b * bs, 0, bs);
+        if (t0 >= t1) {  // nothing of this block is visible to this row
+          std::fill(pr, pr + BP, neg_inf);
+          continue;
+        }
+        sum_lane_groups(S.raw.data() + r * KP, Lt.x_sum, bs, pr);
+        for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
+        if (!Lt.plain_logits || t0 > 0 || t1 < bs) {
+          const float slope =
+              P.alibi_slopes ? P.alibi_slopes[(h0 + r % Lt.G) * P.alibi_stride] : 0.f;
+          for (int64_t t = 0; t < bs; ++t) {
+            if (t < t0 || t >= t1) {
+              pr[t] = neg_inf;
+              continue;
+            }
+            float v = pr[t];
+            if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
+            if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - S.row_P[r]);
+            pr[t] = v;
+          }
+        }
+      }
+    }
+  }
+
+  // Softmax step of each row of kv head hl over the group: p = e^(z - m_new) (0 where
+  // hidden). Nothing is read from memory here, so the first rows of the next V blocks are
+  // prefetched meanwhile, 8 per row (measured 2-7% faster than leaving memory idle).
+  void softmax(int64_t hl, int64_t nb, const GroupBlocks<CT>& g) {
+    const int64_t vrow_bytes = Lt.bs * static_cast<int64_t>(sizeof(CT));
+    const int64_t vpf_end = std::min<int64_t>(R * 8, kGroup * Lt.D);
+    const int64_t n = nb * Lt.BP;
+    float* const acc_h = S.acc.data() + hl * R * Lt.AS;
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
+        prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % kGroup]) + i / kGroup * vrow_bytes);
+      softmax_step(S.p.data() + r * Lt.PG, n, S.m[hl * R + r], S.l[hl * R + r],
+                   acc_h + r * Lt.AS, Lt.D * W);
+    }
+  }
+
+  // p . v for all rows of kv head hl. V columns no row sees may hold NaN (0 * NaN = NaN):
+  // such groups go through an fp32 copy with those columns zeroed. Full blocks are read in
+  // place when one tile of rows covers all of them (else converted once, for all tiles).
+  void pv(int64_t hl, int64_t nb, bool first, const GroupBlocks<CT>& g) {
+    const int64_t D = Lt.D, bs = Lt.bs, PG = Lt.PG, AS = Lt.AS;
+    float* const acc_h = S.acc.data() + hl * R * AS;
+    const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
+    auto vcopy = [&]() {
+      for (int64_t k = 0; k < nb; ++k)
+        v_block_to_f32(g.v[k], S.vtmp.data() + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+    };
+    if (!Lt.fast_pv) {
+      vcopy();
+      for (int64_t k = 0; k < nb; ++k)
+        for (int64_t r = 0; r < R; ++r)
+          pv_row_any(S.vtmp.data() + k * D * bs, S.p.data() + r * PG + k * Lt.BP, acc_h + r * AS,
+                     D, bs);
+      return;
+    }
+    auto run = [&](auto nv, auto src) {
+      constexpr int NVc = decltype(nv)::value;
+      const float* pp = S.p.data();
+      int64_t r2 = 0;
+      if (nb == kGroup) {
+        for (; r2 + 4 <= R; r2 += 4)
+          pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
+                                   vrow_bytes, first);
+      }
+      for (; r2 + 4 <= R; r2 += 4)
+        pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
+                            vrow_bytes, first);
+      for (; r2 < R; ++r2)
+        pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
+                            vrow_bytes, first);
+    };
+    auto dispatch = [&](auto src) {
+      if (Lt.NV == 1) run(std::integral_constant<int, 1>{}, src);
+      else if (Lt.NV == 2) run(std::integral_constant<int, 2>{}, src);
+      else run(std::integral_constant<int, 4>{}, src);
+    };
+    if (g.all_full && (std::is_same_v<CT, float> || R <= 4)) {
+      if (kSplitPairs<CT> && Lt.NV == 2) {  // pv_group reads bf16 rows split (even, odd)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t k = 0; k < nb; ++k) split_pairs(S.p.data() + r * PG + k * Lt.BP);
+      }
+      dispatch(static_cast<const CT* const*>(g.v));
+    } else {
+      vcopy();
+      const float* vf[kGroup];
+      for (int64_t k = 0; k < nb; ++k) vf[k] = S.vtmp.data() + k * D * bs;
+      dispatch(static_cast<const float* const*>(vf));
+    }
+  }
+
+  // Ends the item: the lanes of the accumulators summed, then each row normalised into the
+  // output, or (split) its unnormalised state stored for merge_splits.
+  void finish(float* part_ml, float* part_o) {
+    const int64_t G = Lt.G, D = Lt.D;
+    const bool multi = P.query_start_loc != nullptr;
+    QT* o_base = static_cast<QT*>(P.out);
+    for (int64_t hl = 0; hl < it.nh; ++hl) {
+      const int64_t kvh = it.kvh + hl;
+      for (int64_t r = 0; r < R; ++r)
+        reduce_acc(S.acc.data() + (hl * R + r) * Lt.AS, S.o.data() + r * D, D);
+      const float* m_h = S.m.data() + hl * R;
+      const float* l_h = S.l.data() + hl * R;
+      if (plan.splits > 1) {
+        const int64_t part = (it.s * P.num_kv_heads + kvh) * plan.splits + it.split;
+        for (int64_t g = 0; g < G; ++g) {
+          part_ml[(part * G + g) * 2] = m_h[g];
+          part_ml[(part * G + g) * 2 + 1] = l_h[g];
+          std::copy(S.o.begin() + g * D, S.o.begin() + g * D + D, part_o + (part * G + g) * D);
+        }
+        continue;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t j = it.j0 + r / G, g = r % G;
+        QT* o = o_base + (it.row0 + (multi ? j : 0)) * P.out_stride_seq +
+                (kvh * G + g) * P.out_stride_head;
+        const float* orow = S.o.data() + r * D;
+        // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
+        const float inv = l_h[r] > 0.f ? Lt.v_scale / l_h[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(orow[d] * inv);
+      }
+    }
+  }
+};
+
+// Exact merge of the splits of each (sequence, kv head, row): m = max m_i,
+// l = sum l_i e^(m_i - m), o = sum o_i e^(m_i - m) / l. Empty splits (l_i = 0, m_i = -inf)
+// contribute nothing.
+template <typename QT>
+void merge_splits(const AttentionParams& P, const Plan& plan, float v_scale,
+                  const std::vector<float>& part_ml, const std::vector<float>& part_o) {
+  const int64_t G = P.num_heads / P.num_kv_heads;
+  const int64_t D = P.head_size;
+  QT* o_base = static_cast<QT*>(P.out);
+  at::parallel_for(0, P.num_seqs * P.num_kv_heads * G, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t g = w % G;
+      const int64_t pair = w / G;  // s * num_kv_heads + kvh
+      const int64_t s = pair / P.num_kv_heads, kvh = pair % P.num_kv_heads;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < plan.splits; ++sp) {
+        const int64_t it = pair * plan.splits + sp;
+        if (part_ml[(it * G + g) * 2 + 1] > 0.f) m = std::max(m, part_ml[(it * G + g) * 2]);
+      }
+      float l = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t sp = 0; sp < plan.splits; ++sp) {
+        const int64_t it = pair * plan.splits + sp;
+        const float li = part_ml[(it * G + g) * 2 + 1];
+        if (li <= 0.f) continue;
+        const float w_i = std::exp(part_ml[(it * G + g) * 2] - m);
+        l += li * w_i;
+        const float* oi = part_o.data() + (it * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += oi[d] * w_i;
+      }
+      QT* o = o_base + s * P.out_stride_seq + (kvh * G + g) * P.out_stride_head;
+      const float inv = l > 0.f ? v_scale / l : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(acc[d] * inv);
+    }
+  });
+}
+
+template <typename QT, typename CT>
+void attention_impl(const AttentionParams& P) {
+  const Layout<CT> Lt(P);
+  const Plan plan = make_plan(P);
   // Split-K partial states, per (sequence, kv head, split): [G] of (m, l), [G][D] of
   // unnormalised output.
   std::vector<float> part_ml, part_o;
   if (plan.splits > 1) {
     const int64_t parts = P.num_seqs * P.num_kv_heads * plan.splits;
-    part_ml.assign(parts * G * 2, 0.f);
-    part_o.assign(parts * G * D, 0.f);
+    part_ml.assign(parts * Lt.G * 2, 0.f);
+    part_o.assign(parts * Lt.G * Lt.D, 0.f);
   }
-
-  // Fork threads only for enough work: each task should cover about kMinTaskCost block x row
-  // visits (~0.1 ms), else thread start-up and wake-up dominate small calls.
-  constexpr int64_t kMinTaskCost = 512;
-  const int64_t grain = std::max<int64_t>(
-      1, (kMinTaskCost * plan.num_items + total_cost - 1) / std::max<int64_t>(total_cost, 1));
-
-  // What a work item covers: its sequence, kv heads [kvh, kvh + nh), split, query tokens
-  // [j0, j1) and the block range [b_first, b_last] visible to some row (lo_min: first visible
-  // position, P_max: last).
-  struct ItemInfo {
-    int64_t s, kvh, nh, split, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
-  };
-  // First position visible to the query row at position Ppos (sliding window).
-  auto first_visible = [&](int64_t Ppos) {
-    return P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
-  };
-  auto item_info = [&](int64_t item) {
-    ItemInfo it{};
-    it.j0 = 0;
-    it.j1 = 1;
-    it.q_len = 1;
-    it.nh = 1;
-    it.split = 0;
-    if (multi) {
-      const int64_t c = item / P.num_kv_heads;
-      it.kvh = item % P.num_kv_heads;
-      it.s = std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), c) -
-             plan.chunk_start.begin() - 1;
-      it.q_len = P.query_start_loc[it.s + 1] - P.query_start_loc[it.s];
-      it.j0 = (c - plan.chunk_start[it.s]) * plan.tokens_per_chunk;
-      it.j1 = std::min(it.q_len, it.j0 + plan.tokens_per_chunk);
-      it.row0 = P.query_start_loc[it.s];
-    } else {
-      it.split = item % plan.splits;
-      it.kvh = (item / plan.splits) % plan.head_chunks * plan.heads_per_item;
-      it.nh = std::min(plan.heads_per_item, P.num_kv_heads - it.kvh);
-      it.s = item / (plan.splits * plan.head_chunks);
-      it.row0 = it.s;
-    }
-    it.L = P.seq_lens[it.s * P.sl_stride];
-    // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = L - q_len + j: both bounds
-    // grow with j.
-    it.lo_min = first_visible(it.L - it.q_len + it.j0);
-    it.P_max = it.L - it.q_len + it.j1 - 1;
-    it.b_first = it.L > 0 ? it.lo_min / bs : 0;
-    it.b_last = it.L > 0 ? it.P_max / bs : -1;
-    if (plan.splits > 1) {
-      const int64_t nblk = it.b_last - it.b_first + 1;
-      const int64_t per = (nblk + plan.splits - 1) / plan.splits;
-      const int64_t a = it.b_first + it.split * per;
-      it.b_last = std::min(it.b_last, a + per - 1);
-      it.b_first = a;
-    }
-    return it;
-  };
-
-  // K and V of blocks [b, b + n) of sequence s, kv head kvh, through the block table.
-  auto group_blocks = [&](int64_t s, int64_t kvh, int64_t b, int64_t n, const CT** k_out,
-                          const CT** v_out) {
-    const int32_t* table = P.block_tables + s * P.bt_stride_seq;
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t blk = table[(b + k) * P.bt_stride_col];
-      k_out[k] = kc + blk * P.k_stride_block + kvh * (D * bs);
-      v_out[k] = vc + blk * P.v_stride_block + kvh * (D * bs);
-    }
-  };
-
-  at::parallel_for(0, plan.num_items, grain, [&](int64_t begin, int64_t end) {
-    Scratch& S = thread_scratch();
-    const int64_t R_max = plan.tokens_per_chunk * G;   // rows of one kv head
-    const int64_t HR_max = R_max * plan.heads_per_item;  // rows of an item
-    grow(S.qrep, HR_max * num_chunks * XW);
-    grow(S.raw, R_max * KP);
-    grow(S.p, R_max * PG);
-    grow(S.acc, HR_max * AS);
-    grow(S.o, R_max * D);
-    grow(S.qf, D);
-    grow(S.vtmp, kGroup * D * bs);
-    grow(S.m, HR_max);
-    grow(S.l, HR_max);
-    std::vector<int64_t> row_P, row_lo;  // per row: last visible position, first visible one
-    row_P.reserve(R_max);
-    row_lo.reserve(R_max);
+  at::parallel_for(0, plan.num_items, plan.grain, [&](int64_t begin, int64_t end) {
+    ItemWorker<QT, CT> w(P, Lt, plan, thread_scratch());
+    GroupBlocks<CT> g;
     for (int64_t item = begin; item < end; ++item) {
-      const ItemInfo it = item_info(item);
-      const int64_t s = it.s, j0 = it.j0, j1 = it.j1, q_len = it.q_len, nh = it.nh;
-      const int64_t row0 = it.row0, L = it.L, lo_min = it.lo_min, P_max = it.P_max;
-      const int64_t b_first = it.b_first, b_last = it.b_last;
-      // Rows of each kv head: token-major, head-minor (R per kv head; the state of kv head
-      // it.kvh + hl is rows [hl * R, (hl + 1) * R) of qrep, acc, m and l).
-      const int64_t R = (j1 - j0) * G;
-      // Visible range of each row: [lo, Ppos] (the same for every kv head).
-      row_P.clear();
-      row_lo.clear();
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t Ppos = L - q_len + j;
-        const int64_t lo = first_visible(Ppos);
-        for (int64_t g = 0; g < G; ++g) {
-          row_P.push_back(Ppos);
-          row_lo.push_back(lo);
+      w.start(item_info(P, plan, item));
+      // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the
+      // p.v accumulators per group, kv head after kv head.
+      for (int64_t b0 = w.it.b_first; b0 <= w.it.b_last; b0 += kGroup) {
+        const int64_t nb = std::min<int64_t>(kGroup, w.it.b_last - b0 + 1);
+        w.visibility(b0, nb, g);
+        for (int64_t hl = 0; hl < w.it.nh; ++hl) {
+          w.group_blocks(hl, b0, nb, item + 1, end, g);
+          w.logits(hl, b0, nb, g);
+          w.softmax(hl, nb, g);
+          w.pv(hl, nb, b0 == w.it.b_first, g);
         }
       }
-      // Query rows, pre-scaled, chunks repeated across lanes for the QK pass.
-      for (int64_t hr = 0; hr < nh * R; ++hr) {
-        const int64_t r = hr % R, j = j0 + r / G, h = (it.kvh + hr / R) * G + r % G;
-        const QT* q = q_base + (row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
-        float* qf = S.qf.data();
-        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[d]) * qk_scale;
-        for (int64_t c = 0; c < num_chunks; ++c) {
-          float* rp = S.qrep.data() + (hr * num_chunks + c) * XW;
-          for (int64_t lane = 0; lane < XW; ++lane) rp[lane] = qf[c * x + lane_src[lane]];
-        }
-        S.m[hr] = neg_inf;
-        S.l[hr] = 0.f;
-      }
-      // pv_group starts the accumulators itself on the first group (init); pv_row_any adds,
-      // and an item without blocks (empty split, seq_len 0) still reduces them.
-      if (!fast_pv || b_first > b_last) std::fill(S.acc.begin(), S.acc.begin() + nh * R * AS, 0.f);
-      // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the p.v
-      // accumulators per group, kv head after kv head. While one kv head of a group is read,
-      // the next is prefetched: the same blocks' next kv head (the bytes that follow), after
-      // the last one the next group's first, after the last group the first group of the
-      // thread's next item.
-      const CT* kg[kGroup];
-      const CT* vg[kGroup];
-      const CT* kn[kGroup];
-      const CT* vn[kGroup];
-      for (int64_t b0 = b_first; b0 <= b_last; b0 += kGroup) {
-        const int64_t nb = std::min<int64_t>(kGroup, b_last - b0 + 1);
-        bool all_full = true;  // every offset of every block visible to some row
-        int64_t t0_all[kGroup], t1_all[kGroup];  // offsets of block k visible to some row
-        for (int64_t k = 0; k < nb; ++k) {
-          const int64_t b = b0 + k;
-          t0_all[k] = std::clamp<int64_t>(lo_min - b * bs, 0, bs);
-          t1_all[k] = std::clamp<int64_t>(P_max + 1 - b * bs, 0, bs);
-          all_full = all_full && t0_all[k] == 0 && t1_all[k] == bs;
-        }
-        for (int64_t hl = 0; hl < nh; ++hl) {
-          const int64_t kvh = it.kvh + hl;
-          const int64_t h0 = kvh * G;
-          float* const qrep_h = S.qrep.data() + hl * R * num_chunks * XW;
-          float* const acc_h = S.acc.data() + hl * R * AS;
-          float* const m_h = S.m.data() + hl * R;
-          float* const l_h = S.l.data() + hl * R;
-          group_blocks(s, kvh, b0, nb, kg, vg);
-          int64_t nb_next = 0;
-          if (hl + 1 < nh) {
-            nb_next = nb;
-            group_blocks(s, kvh + 1, b0, nb, kn, vn);
-          } else if (b0 + nb <= b_last) {
-            nb_next = std::min<int64_t>(kGroup, b_last - b0 - nb + 1);
-            group_blocks(s, it.kvh, b0 + nb, nb_next, kn, vn);
-          } else if (item + 1 < end) {
-            const ItemInfo nx = item_info(item + 1);
-            nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, kGroup);
-            group_blocks(nx.s, nx.kvh, nx.b_first, nb_next, kn, vn);
-          }
-          for (int64_t k = nb_next; k < kGroup; ++k) {  // nothing left: this group again, harmless
-            kn[k] = kg[std::min<int64_t>(k, nb - 1)];
-            vn[k] = vg[std::min<int64_t>(k, nb - 1)];
-          }
-          // Logits of every row for each block of the group: p[r][k * BP + t]; hidden offsets
-          // and the padding up to BP are -inf by position, never computed from cache data.
-          for (int64_t k = 0; k < nb; ++k) {
-            const int64_t b = b0 + k;
-            int64_t r = 0;
-            PrefetchCursor pf(kn[k], D * bs * static_cast<int64_t>(sizeof(CT)));
-            auto qk = [&](auto tile, auto one_q) {
-              constexpr int G_T = decltype(tile)::value;
-              for (; r + G_T <= R; r += G_T)
-                qk_tile<G_T, decltype(one_q)::value>(kg[k], qrep_h + r * num_chunks * XW,
-                                                     S.raw.data() + r * KP, num_chunks,
-                                                     chunk_elems, KP, XW, pf);
-            };
-            if (XW == W) {
-              qk(std::integral_constant<int, 4>{}, std::true_type{});
-              qk(std::integral_constant<int, 1>{}, std::true_type{});
-            } else {
-              qk(std::integral_constant<int, 4>{}, std::false_type{});
-              qk(std::integral_constant<int, 1>{}, std::false_type{});
-            }
-            for (r = 0; r < R; ++r) {
-              float* pr = S.p.data() + r * PG + k * BP;
-              const int64_t t0 = std::clamp<int64_t>(row_lo[r] - b * bs, 0, bs);
-              const int64_t t1 = std::clamp<int64_t>(row_P[r] + 1 - b * bs, 0, bs);
-              if (t0 >= t1) {  // nothing of this block is visible to this row
-                std::fill(pr, pr + BP, neg_inf);
-                continue;
-              }
-              sum_lane_groups(S.raw.data() + r * KP, x_sum, bs, pr);
-              for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
-              if (!plain_logits || t0 > 0 || t1 < bs) {
-                const int64_t g = r % G;
-                const float slope = P.alibi_slopes ? P.alibi_slopes[(h0 + g) * P.alibi_stride] : 0.f;
-                for (int64_t t = 0; t < bs; ++t) {
-                  if (t < t0 || t >= t1) {
-                    pr[t] = neg_inf;
-                    continue;
-                  }
-                  float v = pr[t];
-                  if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
-                  if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - row_P[r]);
-                  pr[t] = v;
-                }
-              }
-            }
-          }
-          // Softmax step of each row over the group: p = e^(z - m_new) (0 where hidden).
-          // Nothing is read from memory here, so the first rows of the next V blocks are
-          // prefetched meanwhile, 8 per row (measured 2-7% faster than leaving memory idle).
-          const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
-          const int64_t vpf_end = std::min<int64_t>(R * 8, kGroup * D);
-          const int64_t n = nb * BP;
-          for (int64_t r = 0; r < R; ++r) {
-            for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
-              prefetch_l2(reinterpret_cast<const char*>(vn[i % kGroup]) + i / kGroup * vrow_bytes);
-            softmax_step(S.p.data() + r * PG, n, m_h[r], l_h[r], acc_h + r * AS, D * W);
-          }
-          // p . v for all rows. V columns no row sees may hold NaN (0 * NaN = NaN): such groups
-          // go through an fp32 copy with those columns zeroed. Full blocks are read in place
-          // when one tile of rows covers all of them (else converted once, for all tiles).
-          auto vcopy = [&]() {
-            for (int64_t k = 0; k < nb; ++k)
-              v_block_to_f32(vg[k], S.vtmp.data() + k * D * bs, D, bs, t0_all[k], t1_all[k]);
-          };
-          if (fast_pv) {
-            const bool first = b0 == b_first;
-            auto run = [&](auto nv, auto src) {
-              constexpr int NVc = decltype(nv)::value;
-              const float* pp = S.p.data();
-              int64_t r2 = 0;
-              if (nb == kGroup) {
-                for (; r2 + 4 <= R; r2 += 4)
-                  pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
-                                           vrow_bytes, first);
-              }
-              for (; r2 + 4 <= R; r2 += 4)
-                pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
-                                    vrow_bytes, first);
-              for (; r2 < R; ++r2)
-                pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, vn,
-                                    vrow_bytes, first);
-            };
-            auto dispatch = [&](auto src) {
-              if (NV == 1) run(std::integral_constant<int, 1>{}, src);
-              else if (NV == 2) run(std::integral_constant<int, 2>{}, src);
-              else run(std::integral_constant<int, 4>{}, src);
-            };
-            if (all_full && (std::is_same_v<CT, float> || R <= 4)) {
-              if (kSplitPairs<CT> && NV == 2) {  // pv_group reads bf16 rows split (even, odd)
-                for (int64_t r = 0; r < R; ++r)
-                  for (int64_t k = 0; k < nb; ++k) split_pairs(S.p.data() + r * PG + k * BP);
-              }
-              dispatch(static_cast<const CT* const*>(vg));
-            } else {
-              vcopy();
-              const float* vf[kGroup];
-              for (int64_t k = 0; k < nb; ++k) vf[k] = S.vtmp.data() + k * D * bs;
-              dispatch(static_cast<const float* const*>(vf));
-            }
-          } else {
-            vcopy();
-            for (int64_t k = 0; k < nb; ++k)
-              for (int64_t r = 0; r < R; ++r)
-                pv_row_any(S.vtmp.data() + k * D * bs, S.p.data() + r * PG + k * BP,
-                           acc_h + r * AS, D, bs);
-          }
-        }
-      }
-      for (int64_t hl = 0; hl < nh; ++hl) {
-        const int64_t kvh = it.kvh + hl;
-        for (int64_t r = 0; r < R; ++r)
-          reduce_acc(S.acc.data() + (hl * R + r) * AS, S.o.data() + r * D, D);
-        const float* m_h = S.m.data() + hl * R;
-        const float* l_h = S.l.data() + hl * R;
-        if (plan.splits > 1) {
-          const int64_t part = (s * P.num_kv_heads + kvh) * plan.splits + it.split;
-          for (int64_t g = 0; g < G; ++g) {
-            part_ml[(part * G + g) * 2] = m_h[g];
-            part_ml[(part * G + g) * 2 + 1] = l_h[g];
-            std::copy(S.o.begin() + g * D, S.o.begin() + g * D + D, part_o.begin() + (part * G + g) * D);
-          }
-          continue;
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t j = j0 + r / G, g = r % G;
-          QT* o = o_base + (row0 + (multi ? j : 0)) * P.out_stride_seq + (kvh * G + g) * P.out_stride_head;
-          const float* orow = S.o.data() + r * D;
-          // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
-          const float inv = l_h[r] > 0.f ? v_scale / l_h[r] : 0.f;
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(orow[d] * inv);
-        }
-      }
+      w.finish(part_ml.data(), part_o.data());
     }
   });
-
-  if (plan.splits > 1) {
-    // Exact merge of the splits: m = max m_i, l = sum l_i e^(m_i - m),
-    // o = sum o_i e^(m_i - m) / l. Empty splits (l_i = 0, m_i = -inf) contribute nothing.
-    at::parallel_for(0, P.num_seqs * P.num_kv_heads * G, 64, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(D);
-      for (int64_t w = begin; w < end; ++w) {
-        const int64_t g = w % G;
-        const int64_t pair = w / G;  // s * num_kv_heads + kvh
-        const int64_t s = pair / P.num_kv_heads, kvh = pair % P.num_kv_heads;
-        float m = neg_inf;
-        for (int64_t sp = 0; sp < plan.splits; ++sp) {
-          const int64_t it = pair * plan.splits + sp;
-          if (part_ml[(it * G + g) * 2 + 1] > 0.f) m = std::max(m, part_ml[(it * G + g) * 2]);
-        }
-        float l = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t sp = 0; sp < plan.splits; ++sp) {
-          const int64_t it = pair * plan.splits + sp;
-          const float li = part_ml[(it * G + g) * 2 + 1];
-          if (li <= 0.f) continue;
-          const float w_i = std::exp(part_ml[(it * G + g) * 2] - m);
-          l += li * w_i;
-          const float* oi = part_o.data() + (it * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] += oi[d] * w_i;
-        }
-        QT* o = o_base + s * P.out_stride_seq + (kvh * G + g) * P.out_stride_head;
-        const float inv = l > 0.f ? v_scale / l : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(acc[d] * inv);
-      }
-    });
-  }
+  if (plan.splits > 1) merge_splits<QT>(P, plan, Lt.v_scale, part_ml, part_o);
 }
 
 template <typename QT>
