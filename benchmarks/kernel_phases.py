@@ -1,0 +1,262 @@
+"""Where the CPU decode kernel's time goes: arithmetic alone, and each phase of it.
+
+Builds instrumented copies of the AVX2 kernel (``csrc/cpu/attention_kernel.h``, edited as text in
+a temporary copy of ``csrc``; the installed package is not touched) and times them interleaved in
+one process, switching kernels through the same table the package uses for CPU dispatch:
+
+- ``kernel``: the kernel as built (memory and arithmetic);
+- ``arith``: every sequence reads only its first two blocks, alternately, so K and V come from
+  the core's caches and the call costs its arithmetic alone (same instructions, same prefetches);
+- ``arith-no-qk`` / ``arith-no-softmax`` / ``arith-no-pv``: ``arith`` without that phase; the
+  phase's time is the difference (the others run on stale but finite data);
+- ``arith-none``: all three skipped: the loops, logits masking and reductions that remain.
+
+Times are per (block, kv head) on one thread; q.k and p.v each do G * head_size * block_size
+multiply-adds there, ``G * head_size * block_size / lanes`` vector FMAs, compared with the FMA
+rate measured by a probe on as many threads as the benchmark uses (``--threads``).
+
+    python benchmarks/kernel_phases.py                    # fp32, fp16, bf16, fp8; B=8 L=2048
+    python benchmarks/kernel_phases.py --dtypes bf16 --shape 32x512 --reps 15
+
+The edits are found by their text; when the kernel changes so that one no longer matches, this
+script stops and names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import paged_ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNEL = os.path.join("cpu", "attention_kernel.h")
+
+# (name, old text, new text): each old text must occur exactly once in the kernel.
+EDITS = [
+    ("arith: two blocks per sequence",
+     "const int64_t blk = table[(b + k) * P.bt_stride_col];",
+     "const int64_t blk = table[(PHASE_ARITH ? (b + k) % 2 : b + k) * P.bt_stride_col];"),
+    ("skip q.k",
+     "      if (XW == W) {\n        qk(",
+     "      if (!PHASE_QK) {\n      } else if (XW == W) {\n        qk("),
+    ("skip softmax", "      softmax_step(S.p.data()", "      if (PHASE_SM) softmax_step(S.p.data()"),
+    ("skip p.v", "          w.pv(hl, nb,", "          if (PHASE_PV) w.pv(hl, nb,"),
+    # Without p.v the accumulators must still start at 0 (garbage could be denormal: slow).
+    ("zero the accumulators without p.v",
+     "    if (!Lt.fast_pv || it.b_first > it.b_last)",
+     "    if (!PHASE_PV || !Lt.fast_pv || it.b_first > it.b_last)"),
+]
+
+# name -> (PHASE_ARITH, PHASE_QK, PHASE_SM, PHASE_PV)
+VARIANTS = {
+    "kernel": (0, 1, 1, 1),
+    "arith": (1, 1, 1, 1),
+    "arith-no-qk": (1, 0, 1, 1),
+    "arith-no-softmax": (1, 1, 0, 1),
+    "arith-no-pv": (1, 1, 1, 0),
+    "arith-none": (1, 0, 0, 0),
+}
+
+FMA_PROBE = r"""
+#include <immintrin.h>
+#include <chrono>
+// Vector FMAs per second on this thread: 12 independent chains (more than latency x
+// throughput), in named variables so that they stay in registers.
+extern "C" double fma_rate() {
+  __m256 a0 = _mm256_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+  const __m256 x = _mm256_set1_ps(0.9999f), y = _mm256_set1_ps(1e-4f);
+  const long n = 100000000;
+  auto t0 = std::chrono::steady_clock::now();
+  for (long k = 0; k < n; ++k) {
+#define F(v) v = _mm256_fmadd_ps(v, x, y);
+    F(a0) F(a1) F(a2) F(a3) F(a4) F(a5) F(a6) F(a7) F(a8) F(a9) F(a10) F(a11)
+    asm volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6),
+                 "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
+  }
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 12.0 * n / t;
+}
+"""
+
+
+def compile_flags():
+    from torch.utils import cpp_extension as ce
+
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    inc = [f"-I{p}" for p in ce.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return (["-std=c++20", "-O3", "-fvisibility=hidden", "-fopenmp", "-fPIC", "-shared",
+             "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}"] + inc,
+            [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"])
+
+
+def build(build_dir, jobs):
+    """The instrumented variants (rebuilt only when csrc or this script changed)."""
+    src = os.path.join(ROOT, "csrc")
+    h = hashlib.sha256()
+    for dirpath, _, files in sorted(os.walk(src)):
+        for f in sorted(files):
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                h.update(fh.read())
+    with open(__file__, "rb") as fh:
+        h.update(fh.read())
+    out = os.path.join(build_dir, h.hexdigest()[:16])
+    sos = {name: os.path.join(out, f"{name}.so") for name in VARIANTS}
+    probe = os.path.join(out, "fma_probe.so")
+    if all(os.path.exists(p) for p in [*sos.values(), probe]):
+        return sos, probe
+    os.makedirs(out, exist_ok=True)
+    tree = os.path.join(out, "csrc")
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.copytree(src, tree)
+    path = os.path.join(tree, KERNEL)
+    with open(path) as fh:
+        text = fh.read()
+    for name, old, new in EDITS:
+        n = text.count(old)
+        if n != 1:
+            sys.exit(f"kernel_phases.py: edit {name!r} matches {n} times in {KERNEL} (expected "
+                     f"once); update EDITS for the current kernel")
+        text = text.replace(old, new)
+    with open(path, "w") as fh:
+        fh.write(text)
+    cflags, ldflags = compile_flags()
+    variant_src = os.path.join(tree, "cpu", "variant_avx2.cpp")
+
+    def compile_one(item):
+        name, (a, qk, sm, pv) = item
+        defs = [f"-DPHASE_ARITH={a}", f"-DPHASE_QK={qk}", f"-DPHASE_SM={sm}", f"-DPHASE_PV={pv}"]
+        cmd = ["g++", *cflags, *defs, f"-I{tree}", variant_src, "-o", sos[name], *ldflags]
+        subprocess.run(cmd, check=True)
+        return name
+
+    print(f"building {len(VARIANTS)} variants in {out} ...", flush=True)
+    with ThreadPoolExecutor(jobs) as ex:
+        list(ex.map(compile_one, VARIANTS.items()))
+    probe_src = os.path.join(out, "fma_probe.cpp")
+    with open(probe_src, "w") as fh:
+        fh.write(FMA_PROBE)
+    subprocess.run(["g++", "-O2", "-mavx2", "-mfma", "-fPIC", "-shared", probe_src, "-o", probe],
+                   check=True)
+    return sos, probe
+
+
+def fma_rate_per_thread(probe, threads):
+    """Vector FMAs per second of one thread while `threads` threads run the probe."""
+    lib = ctypes.CDLL(probe)
+    lib.fma_rate.restype = ctypes.c_double
+    rates = [0.0] * threads
+
+    def run(i):
+        rates[i] = lib.fma_rate()  # ctypes releases the GIL: the threads run together
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return min(rates)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", default="fp32,fp16,bf16,fp8")
+    p.add_argument("--shape", default="8x2048", help="BATCHxCONTEXT (context >= 2 blocks)")
+    p.add_argument("--heads", default="32,8", help="query heads,kv heads")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=9, help="interleaved rounds (medians reported)")
+    p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "paged_ops_phases"))
+    args = p.parse_args(argv)
+    if not torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX2", "AVX512")):
+        sys.exit("kernel_phases.py needs an x86 CPU with AVX2")
+    torch.set_num_threads(args.threads)
+    B, L = map(int, args.shape.split("x"))
+    H, Hkv = map(int, args.heads.split(","))
+    D, bs = 128, 16
+    if L < 2 * bs:
+        sys.exit("--shape: the context must span at least two blocks")
+
+    sos, probe = build(args.build_dir, min(args.threads, len(VARIANTS)))
+    tables = {}
+    libs = []
+    for name, so in sos.items():
+        lib = ctypes.CDLL(so, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
+        libs.append(lib)
+        tables[name] = lib.paged_ops_cpu_kernel_table()
+    fma = fma_rate_per_thread(probe, args.threads)
+    bw, _ = ba.read_bandwidth_gbs("cpu")
+    print(f"{args.threads} threads; read bandwidth {bw:.1f} GB/s (torch.sum); "
+          f"{fma / 1e9:.2f} G vector FMAs/s per thread")
+
+    setk = paged_ops._C_LIB.paged_ops_set_cpu_kernel_table
+    before = paged_ops.cpu_kernel_variant()
+    cases = []
+    for dn in args.dtypes.split(","):
+        q, kc, vc, bt, sl = ba.make_case(B, L, H, Hkv, D, bs, ba.DTYPES[dn], "cpu")
+        out = torch.empty_like(q)
+        ks, vs = ba.kv_scales(kc)
+
+        def run(q=q, kc=kc, vc=vc, bt=bt, sl=sl, out=out, ks=ks, vs=vs):
+            torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, D**-0.5, None, -1, 0.0, ks,
+                                          vs, L)
+
+        cases.append((dn, kc.element_size(), run, {n: [] for n in tables}))
+    block_heads = B * ((L + bs - 1) // bs) * Hkv
+    n_calls = max(1, 20000 // block_heads)
+    try:
+        for _ in range(args.reps):
+            for dn, es, run, times in cases:
+                for name, tab in tables.items():
+                    setk(ctypes.c_void_p(tab))
+                    run()
+                    t0 = time.perf_counter()
+                    for _ in range(n_calls):
+                        run()
+                    times[name].append((time.perf_counter() - t0) / n_calls)
+    finally:
+        paged_ops.set_cpu_kernel_variant(before)
+
+    G = H // Hkv
+    fmas = G * D * bs / 8  # vector FMAs of q.k (and of p.v) per (block, kv head)
+    ideal_ns = fmas / fma * 1e9
+    print(f"B={B} L={L} {H}q/{Hkv}kv head_size {D} block_size {bs}: per (block, kv head) on one "
+          f"thread; q.k and p.v each {fmas:.0f} vector FMAs = {ideal_ns:.0f} ns at the FMA rate")
+    print(f"{'cache':6s} {'kernel':>16s} {'arith alone':>18s} {'q.k':>13s} {'p.v':>13s} "
+          f"{'softmax':>8s} {'rest':>6s}")
+    for dn, es, run, times in cases:
+        med = {n: statistics.median(v) for n, v in times.items()}
+        ns = {n: t * args.threads / block_heads * 1e9 for n, t in med.items()}
+        nbytes = 2 * B * L * Hkv * D * es
+        gbs = nbytes / med["kernel"] / 1e9
+        arith = nbytes / med["arith"] / 1e9
+        qk = ns["arith"] - ns["arith-no-qk"]
+        pv = ns["arith"] - ns["arith-no-pv"]
+        sm = ns["arith"] - ns["arith-no-softmax"]
+        print(f"{dn:6s} {gbs:6.2f} GB/s {100 * gbs / bw:4.0f}% {arith:7.2f} GB/s-eq "
+              f"{ns['arith']:4.0f} ns {qk:5.0f} ns {100 * ideal_ns / qk:3.0f}% "
+              f"{pv:5.0f} ns {100 * ideal_ns / pv:3.0f}% {sm:5.0f} ns {ns['arith-none']:4.0f} ns")
+    print("q.k / p.v: the phase's time, and the FMA rate's share of it; rest: arith-none")
+
+
+if __name__ == "__main__":
+    main()
