@@ -56,7 +56,9 @@ EDITS = [
     ("skip q.k",
      "      if (XW == W) {\n        qk(",
      "      if (!PHASE_QK) {\n      } else if (XW == W) {\n        qk("),
-    ("skip softmax", "      softmax_step(S.p.data()", "      if (PHASE_SM) softmax_step(S.p.data()"),
+    ("skip softmax",
+     "      softmax_step(S.p.data()",
+     "      if (PHASE_SM) softmax_step(S.p.data()"),
     ("skip p.v", "          w.pv(hl, nb,", "          if (PHASE_PV) w.pv(hl, nb,"),
     # Without p.v the accumulators must still start at 0 (garbage could be denormal: slow).
     ("zero the accumulators without p.v",
@@ -225,7 +227,7 @@ def main(argv=None):
     n_calls = max(1, 20000 // block_heads)
     try:
         for _ in range(args.reps):
-            for dn, es, run, times in cases:
+            for _, _, run, times in cases:
                 for name, tab in tables.items():
                     setk(ctypes.c_void_p(tab))
                     run()
@@ -243,7 +245,7 @@ def main(argv=None):
           f"thread; q.k and p.v each {fmas:.0f} vector FMAs = {ideal_ns:.0f} ns at the FMA rate")
     print(f"{'cache':6s} {'kernel':>16s} {'arith alone':>18s} {'q.k':>13s} {'p.v':>13s} "
           f"{'softmax':>8s} {'rest':>6s}")
-    for dn, es, run, times in cases:
+    for dn, es, _, times in cases:
         med = {n: statistics.median(v) for n, v in times.items()}
         ns = {n: t * args.threads / block_heads * 1e9 for n, t in med.items()}
         nbytes = 2 * B * L * Hkv * D * es
