@@ -114,6 +114,21 @@ def test_sliding_window(dtype, window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 2), (16, 2)])
+@pytest.mark.parametrize("window", [-1, 5, 21])
+def test_partial_blocks_every_offset(dtype, heads, window):
+    # Every visible range of a block, at both ends: the last block ends at each offset (and
+    # with a window the first one starts at each offset). Partly visible blocks are read
+    # through a copy with their hidden (NaN) columns zeroed, full ones in place; 8 q / 2 kv
+    # is one tile of rows (in place), 16 q / 2 kv two tiles (16-bit caches converted).
+    num_heads, num_kv_heads = heads
+    lens = list(range(1, 50))
+    pg = make_paged(lens, num_kv_heads, 64, 16, dtype, seed=13)
+    q = random_query(len(lens), num_heads, 64, dtype, scale=2.0)
+    check(pg, q, dtype, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_alibi_softcap_window_together(dtype):
     lens = [9, 31, 64, 65]
     pg = make_paged(lens, 2, 80, 8, dtype, seed=11)

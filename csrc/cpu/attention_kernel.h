@@ -24,6 +24,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
@@ -192,6 +193,7 @@ struct Scratch {
   std::vector<float> o;      // [R][D] acc with its lanes summed, at the end of an item
   std::vector<float> qf;     // [D] one query row in fp32, pre-scaled (to fill qrep)
   std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
+  std::vector<uint8_t> vraw;  // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
   std::vector<float> m, l;   // [HR] running max / normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
 };
@@ -533,6 +535,44 @@ inline void reduce_acc(const float* acc, float* out, int64_t D) {
   for (; d < D; ++d) out[d] = hsum(VecF::loadu(acc + d * W));
 }
 
+// Copy a [D][bs] V block in its own type with the columns outside [t0, t1) zeroed (all-zero
+// bits are +0 in every cache type), so that p.v reads it like a block of the cache: only the
+// partly visible blocks of a group (the last one, the first under a sliding window) are copied.
+// Row by row through a byte mask (rows of the fast p.v path are at most 4 W elements).
+template <typename T>
+inline const T* v_block_masked(const T* vblk, T* dst, int64_t D, int64_t bs, int64_t t0,
+                               int64_t t1) {
+  constexpr int64_t kMaxRowBytes = 4 * W * sizeof(float);
+  const int64_t row_bytes = bs * static_cast<int64_t>(sizeof(T));
+  TORCH_INTERNAL_ASSERT(row_bytes <= kMaxRowBytes);
+  uint8_t mask[kMaxRowBytes];
+  for (int64_t b = 0; b < row_bytes; ++b) {
+    const int64_t t = b / static_cast<int64_t>(sizeof(T));
+    mask[b] = t >= t0 && t < t1 ? 0xFF : 0;
+  }
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(vblk);
+  uint8_t* out = reinterpret_cast<uint8_t*>(dst);
+  for (int64_t d = 0; d < D; ++d, src += row_bytes, out += row_bytes)
+    for (int64_t b = 0; b < row_bytes; ++b) out[b] = src[b] & mask[b];
+  return dst;
+}
+
+// out[0, n) = src * s in the output type (vectorised conversion: same rounding as the scalar
+// one, to nearest even).
+template <typename QT>
+inline void store_scaled(const float* src, float s, QT* out, int64_t n) {
+  const VecF vs(s);
+  int64_t d = 0;
+  if constexpr (std::is_same_v<QT, float>) {
+    for (; d + W <= n; d += W) (VecF::loadu(src + d) * vs).store(out + d);
+  } else {
+    for (; d + 2 * W <= n; d += 2 * W)
+      at::vec::convert_from_float<QT>(VecF::loadu(src + d) * vs, VecF::loadu(src + d + W) * vs)
+          .store(out + d);
+  }
+  for (; d < n; ++d) out[d] = static_cast<QT>(src[d] * s);
+}
+
 // Convert (16-bit / fp8 caches) or copy a [D][bs] V block to fp32, zeroing columns outside
 // [t0, t1): their probability is 0 for every row, but 0 * NaN would still be NaN.
 template <typename T>
@@ -618,9 +658,11 @@ inline Plan make_plan(const AttentionParams& P) {
     }
     plan.num_items = P.num_seqs * plan.head_chunks * plan.splits;
   }
-  // Fork threads only for enough work: each task should cover about kMinTaskCost block x row
-  // visits (~0.1 ms), else thread start-up and wake-up dominate small calls.
-  constexpr int64_t kMinTaskCost = 512;
+  // Fork threads only for enough work: each task covers at least kMinTaskCost block x row
+  // visits (~2 us). Measured on 2 cores, hot or with the threads asleep (3 ms between calls),
+  // even one block per kv head ran faster on both threads: B=1, L=16 21 -> 14 us (asleep 37
+  // -> 28), L=128 60 -> 35 us. (512 before: calls up to 16 blocks x 8 kv heads ran alone.)
+  constexpr int64_t kMinTaskCost = 16;
   plan.grain = std::max<int64_t>(
       1, (kMinTaskCost * plan.num_items + total_cost - 1) / std::max<int64_t>(total_cost, 1));
   return plan;
@@ -730,7 +772,6 @@ struct GroupBlocks {
   const CT* k_next[kGroup];
   const CT* v_next[kGroup];
   int64_t t0[kGroup], t1[kGroup];  // offsets of block k visible to some row of the item
-  bool all_full;                   // every offset of every block visible to some row
 };
 
 // The work of one thread on its items: the per-item state lives in the thread's Scratch.
@@ -759,6 +800,8 @@ struct ItemWorker {
     grow(S.o, R_max * Lt.D);
     grow(S.qf, Lt.D);
     grow(S.vtmp, kGroup * Lt.D * Lt.bs);
+    if (S.vraw.size() < static_cast<size_t>(kGroup * Lt.D * Lt.bs * sizeof(CT)))
+      S.vraw.resize(kGroup * Lt.D * Lt.bs * sizeof(CT));
     grow(S.m, HR_max);
     grow(S.l, HR_max);
     S.row_P.resize(R_max);
@@ -774,6 +817,41 @@ struct ItemWorker {
       const int64_t blk = table[(b + k) * P.bt_stride_col];
       k_out[k] = kc + blk * P.k_stride_block + head;
       v_out[k] = vc + blk * P.v_stride_block + head;
+    }
+  }
+
+  // One query row's q.k operand: chunk c of qf (x elements) repeated to XW lanes as lane_src
+  // says (10-20% of short decode calls went to this fill while it ran lane by lane).
+  void fill_qrep(const float* qf, float* rp) const {
+    const int64_t x = Lt.x, XW = Lt.XW;
+    if (XW == x) {  // chunk by chunk, the row itself
+      std::memcpy(rp, qf, Lt.D * sizeof(float));
+      return;
+    }
+    for (int64_t c = 0; c < Lt.num_chunks; ++c, rp += XW) {
+      const float* chunk = qf + c * x;
+#if defined(CPU_CAPABILITY_AVX2)
+      if (Lt.split_k) {  // x == W: [even, even, odd, odd] elements of the chunk
+        const __m256 v = _mm256_loadu_ps(chunk);
+        const __m256 e = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+        const __m256 o = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+        _mm256_storeu_ps(rp, e);
+        _mm256_storeu_ps(rp + W, o);
+        continue;
+      }
+#endif
+#if defined(CPU_CAPABILITY_AVX2)
+      if (x == 4 && XW == 8) {  // fp32: the 4 elements in both halves
+        _mm256_storeu_ps(rp, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(chunk)));
+        continue;
+      }
+#endif
+      if (!Lt.split_k) {  // x < XW: the chunk repeated
+        for (int64_t r = 0; r < XW; r += x)
+          for (int64_t i = 0; i < x; ++i) rp[r + i] = chunk[i];
+        continue;
+      }
+      for (int64_t lane = 0; lane < XW; ++lane) rp[lane] = chunk[Lt.lane_src[lane]];
     }
   }
 
@@ -794,11 +872,11 @@ struct ItemWorker {
       const int64_t r = hr % R, j = it.j0 + r / G, h = (it.kvh + hr / R) * G + r % G;
       const QT* q = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
       float* qf = S.qf.data();
-      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[d]) * Lt.qk_scale;
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        float* rp = S.qrep.data() + (hr * num_chunks + c) * XW;
-        for (int64_t lane = 0; lane < XW; ++lane) rp[lane] = qf[c * Lt.x + Lt.lane_src[lane]];
+      for (int64_t d = 0; d < D; d += W) {
+        const int64_t n = std::min<int64_t>(W, D - d);
+        (load_f32(q + d, n) * VecF(Lt.qk_scale)).store(qf + d, n);
       }
+      fill_qrep(qf, S.qrep.data() + hr * num_chunks * XW);
       S.m[hr] = -std::numeric_limits<float>::infinity();
       S.l[hr] = 0.f;
     }
@@ -810,12 +888,10 @@ struct ItemWorker {
 
   // Visible offsets of the group's blocks [b0, b0 + nb) for the item's rows together.
   void visibility(int64_t b0, int64_t nb, GroupBlocks<CT>& g) const {
-    g.all_full = true;
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       g.t0[k] = std::clamp<int64_t>(it.lo_min - b * Lt.bs, 0, Lt.bs);
       g.t1[k] = std::clamp<int64_t>(it.P_max + 1 - b * Lt.bs, 0, Lt.bs);
-      g.all_full = g.all_full && g.t0[k] == 0 && g.t1[k] == Lt.bs;
     }
   }
 
@@ -913,9 +989,12 @@ struct ItemWorker {
     }
   }
 
-  // p . v for all rows of kv head hl. V columns no row sees may hold NaN (0 * NaN = NaN):
-  // such groups go through an fp32 copy with those columns zeroed. Full blocks are read in
-  // place when one tile of rows covers all of them (else converted once, for all tiles).
+  // p . v for all rows of kv head hl. V columns no row sees may hold NaN (0 * NaN = NaN), so
+  // a partly visible block is read through a copy with those columns zeroed. Blocks are read
+  // in place (the partly visible ones from a copy in their own type) when one tile of rows
+  // covers them or the cache is fp32; else the group is converted to fp32 once, for all
+  // tiles. (Converting a whole group for its one partial block made calls of odd lengths
+  // 13-25% slower.)
   void pv(int64_t hl, int64_t nb, bool first, const GroupBlocks<CT>& g) {
     const int64_t D = Lt.D, bs = Lt.bs, PG = Lt.PG, AS = Lt.AS;
     float* const acc_h = S.acc.data() + hl * R * AS;
@@ -953,12 +1032,19 @@ struct ItemWorker {
       else if (Lt.NV == 2) run(std::integral_constant<int, 2>{}, src);
       else run(std::integral_constant<int, 4>{}, src);
     };
-    if (g.all_full && (std::is_same_v<CT, float> || R <= 4)) {
+    if (std::is_same_v<CT, float> || R <= 4) {
       if (kSplitPairs<CT> && Lt.NV == 2) {  // pv_group reads bf16 rows split (even, odd)
         for (int64_t r = 0; r < R; ++r)
           for (int64_t k = 0; k < nb; ++k) split_pairs(S.p.data() + r * PG + k * Lt.BP);
       }
-      dispatch(static_cast<const CT* const*>(g.v));
+      const CT* src[kGroup];
+      CT* const masked = reinterpret_cast<CT*>(S.vraw.data());
+      for (int64_t k = 0; k < nb; ++k) {
+        src[k] = g.t0[k] == 0 && g.t1[k] == bs
+                     ? g.v[k]
+                     : v_block_masked(g.v[k], masked + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+      }
+      dispatch(static_cast<const CT* const*>(src));
     } else {
       vcopy();
       const float* vf[kGroup];
@@ -992,10 +1078,8 @@ struct ItemWorker {
         const int64_t j = it.j0 + r / G, g = r % G;
         QT* o = o_base + (it.row0 + (multi ? j : 0)) * P.out_stride_seq +
                 (kvh * G + g) * P.out_stride_head;
-        const float* orow = S.o.data() + r * D;
         // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
-        const float inv = l_h[r] > 0.f ? Lt.v_scale / l_h[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(orow[d] * inv);
+        store_scaled(S.o.data() + r * D, l_h[r] > 0.f ? Lt.v_scale / l_h[r] : 0.f, o, D);
       }
     }
   }
@@ -1033,8 +1117,7 @@ void merge_splits(const AttentionParams& P, const Plan& plan, float v_scale,
         for (int64_t d = 0; d < D; ++d) acc[d] += oi[d] * w_i;
       }
       QT* o = o_base + s * P.out_stride_seq + (kvh * G + g) * P.out_stride_head;
-      const float inv = l > 0.f ? v_scale / l : 0.f;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(acc[d] * inv);
+      store_scaled(acc.data(), l > 0.f ? v_scale / l : 0.f, o, D);
     }
   });
 }
