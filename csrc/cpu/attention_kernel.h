@@ -659,12 +659,16 @@ inline Plan make_plan(const AttentionParams& P) {
     plan.num_items = P.num_seqs * plan.head_chunks * plan.splits;
   }
   // Fork threads only for enough work: each task covers at least kMinTaskCost block x row
-  // visits (~2 us). Measured on 2 cores, hot or with the threads asleep (3 ms between calls),
-  // even one block per kv head ran faster on both threads: B=1, L=16 21 -> 14 us (asleep 37
-  // -> 28), L=128 60 -> 35 us. (512 before: calls up to 16 blocks x 8 kv heads ran alone.)
+  // visits (~2 us), and a call forks only when the whole team (at::parallel_for wakes every
+  // thread) has that much each on average. Measured on 2 cores, hot or with the threads
+  // asleep (3 ms between calls), even one block per kv head ran faster on both threads:
+  // B=1, L=16 21 -> 14 us (asleep 37 -> 28), L=128 60 -> 35 us. (512 per task before: calls
+  // up to 16 blocks x 8 kv heads ran alone.)
   constexpr int64_t kMinTaskCost = 16;
-  plan.grain = std::max<int64_t>(
-      1, (kMinTaskCost * plan.num_items + total_cost - 1) / std::max<int64_t>(total_cost, 1));
+  plan.grain =
+      total_cost < kMinTaskCost * std::max<int64_t>(P.num_threads, 1)
+          ? std::max<int64_t>(plan.num_items, 1)
+          : std::max<int64_t>(1, (kMinTaskCost * plan.num_items + total_cost - 1) / total_cost);
   return plan;
 }
 
