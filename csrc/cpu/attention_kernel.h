@@ -825,7 +825,7 @@ struct ItemWorker {
   }
 
   // One query row's q.k operand: chunk c of qf (x elements) repeated to XW lanes as lane_src
-  // says (10-20% of short decode calls went to this fill while it ran lane by lane).
+  // says. With vector moves: it runs for every row of every item, which short items feel.
   void fill_qrep(const float* qf, float* rp) const {
     const int64_t x = Lt.x, XW = Lt.XW;
     if (XW == x) {  // chunk by chunk, the row itself
