@@ -336,6 +336,10 @@ def main(argv=None):
         print("small work (per-call overhead):")
         rows += bench_attention_rows(device, dtypes[:1], [(1, 128), (256, 64)], [(32, 8)], 128,
                                      16, bw, False)
+        # Real decode lengths are rarely whole blocks: the last block is partly visible.
+        print("odd lengths (a partly visible last block):")
+        rows += bench_attention_rows(device, dtypes, [(256, 63), (8, 2047)], [(32, 8)], 128, 16,
+                                     bw, False)
         bw_copy = copy_bandwidth_gbs(device)
         print(f"copy bandwidth (read + write): {bw_copy:.1f} GB/s")
         rows += bench_cache_write_rows(device, [d for d in dtypes if d != "fp8"], bw_copy)
