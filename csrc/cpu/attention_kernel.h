@@ -6,8 +6,9 @@
 // block is read from memory once. Decode has one token per sequence and an item takes all kv
 // heads of its blocks (contiguous in the cache); when the sequences cannot keep every thread
 // busy, long sequences are split over threads and the partial softmax states merged exactly
-// (flash-decoding), then the kv heads. Multi-token items take one kv head. Blocks are read straight from the cache
-// through the block table (no gathered copy) with a blockwise online softmax (seed 004):
+// (flash-decoding), then the kv heads. Multi-token items take one kv head. Blocks are read
+// straight from the cache through the block table (no gathered copy) with a blockwise online
+// softmax (seed 004):
 //   m_new = max(m, max_t z_t);  l = l * e^(m - m_new) + sum_t e^(z_t - m_new);
 //   acc = acc * e^(m - m_new) + sum_t e^(z_t - m_new) v_t.
 // Positions that are not visible (past seq_len in the last block, before the sliding window)
@@ -203,7 +204,8 @@ inline Scratch& thread_scratch() {
   return s;
 }
 
-inline void grow(std::vector<float>& v, int64_t n) {
+template <typename T>
+inline void grow(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
@@ -736,10 +738,6 @@ struct Layout {
   bool split_k;
   int64_t XW;     // q chunk repetition length (x, W: powers of 2)
   int64_t x_sum;  // raw lanes per token
-  // Element of a q chunk that each lane of its repeated copy (qrep) holds: e = lane mod x;
-  // split_k: lanes [0, W) hold the even elements, [W, 2W) the odd ones, each twice (the two
-  // tokens of a unit). Once per call: a division per lane cost 10-18% of short decode calls.
-  int64_t lane_src[64];  // XW <= max(x, 2 W) <= 32
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
   bool plain_logits;  // no soft cap, no ALiBi
@@ -757,8 +755,6 @@ struct Layout {
     split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
     XW = split_k ? 2 * W : std::max<int64_t>(x, W);
     x_sum = XW == 2 * W ? x / 2 : x;
-    for (int64_t lane = 0; lane < XW; ++lane)
-      lane_src[lane] = split_k ? 2 * (lane % (W / 2)) + lane / W : lane % x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
@@ -804,8 +800,7 @@ struct ItemWorker {
     grow(S.o, R_max * Lt.D);
     grow(S.qf, Lt.D);
     grow(S.vtmp, kGroup * Lt.D * Lt.bs);
-    if (S.vraw.size() < static_cast<size_t>(kGroup * Lt.D * Lt.bs * sizeof(CT)))
-      S.vraw.resize(kGroup * Lt.D * Lt.bs * sizeof(CT));
+    grow(S.vraw, kGroup * Lt.D * Lt.bs * static_cast<int64_t>(sizeof(CT)));
     grow(S.m, HR_max);
     grow(S.l, HR_max);
     S.row_P.resize(R_max);
@@ -824,8 +819,10 @@ struct ItemWorker {
     }
   }
 
-  // One query row's q.k operand: chunk c of qf (x elements) repeated to XW lanes as lane_src
-  // says. With vector moves: it runs for every row of every item, which short items feel.
+  // One query row's q.k operand: chunk c of qf (x elements) repeated to XW lanes, element
+  // lane mod x in each lane; split_k: lanes [0, W) hold the even elements, [W, 2W) the odd
+  // ones, each twice (the two tokens of a unit). With vector moves: it runs for every row of
+  // every item, which short items feel.
   void fill_qrep(const float* qf, float* rp) const {
     const int64_t x = Lt.x, XW = Lt.XW;
     if (XW == x) {  // chunk by chunk, the row itself
@@ -834,7 +831,7 @@ struct ItemWorker {
     }
     for (int64_t c = 0; c < Lt.num_chunks; ++c, rp += XW) {
       const float* chunk = qf + c * x;
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2)  // the only capability where split_k is set
       if (Lt.split_k) {  // x == W: [even, even, odd, odd] elements of the chunk
         const __m256 v = _mm256_loadu_ps(chunk);
         const __m256 e = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
@@ -843,19 +840,13 @@ struct ItemWorker {
         _mm256_storeu_ps(rp + W, o);
         continue;
       }
-#endif
-#if defined(CPU_CAPABILITY_AVX2)
       if (x == 4 && XW == 8) {  // fp32: the 4 elements in both halves
         _mm256_storeu_ps(rp, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(chunk)));
         continue;
       }
 #endif
-      if (!Lt.split_k) {  // x < XW: the chunk repeated
-        for (int64_t r = 0; r < XW; r += x)
-          for (int64_t i = 0; i < x; ++i) rp[r + i] = chunk[i];
-        continue;
-      }
-      for (int64_t lane = 0; lane < XW; ++lane) rp[lane] = chunk[Lt.lane_src[lane]];
+      for (int64_t r = 0; r < XW; r += x)  // x < XW: the chunk repeated
+        for (int64_t i = 0; i < x; ++i) rp[r + i] = chunk[i];
     }
   }
 
