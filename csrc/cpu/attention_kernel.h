@@ -223,18 +223,33 @@ constexpr int64_t kGroup = 4;
 // softmax, measured 3-10% slower.)
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }
 
-// Prefetch of a key block in address order, a line per call, however the reads below walk it:
-// q.k reads a key block in strided passes, and prefetches issued in that order were measured
-// 6-7% slower (same access, microbenchmark) than in address order. Calls past the end repeat
-// the last line (cheaper than a branch).
+// Prefetch of a key block in address order, spread evenly over the q.k loop that runs
+// meanwhile: one step() per chunk iteration, `calls` in all, each prefetching per_call lines
+// (more than one only when the block has more lines than the loop has iterations), the line
+// index advancing by a fixed-point fraction. q.k reads a key block in strided passes, and
+// prefetches issued in that order were measured 6-7% slower (same access, microbenchmark)
+// than in address order. Spreading matters: two lines per iteration from the block's start
+// (all of a 16-bit block prefetched in the first 40% of its q.k, then the last line asked
+// for again and again) made 16-bit caches 8-17% slower; every line must be asked for (every
+// other line: 20% slower).
 struct PrefetchCursor {
-  const char* p;
-  const char* last;
-  PrefetchCursor(const void* begin, int64_t bytes)
-      : p(static_cast<const char*>(begin)), last(p + bytes - 64) {}
+  const char* base;
+  int64_t pos = 0;  // line index, 16 fractional bits
+  int64_t inc, last;
+  int per_call;
+  PrefetchCursor(const void* begin, int64_t bytes, int64_t calls)
+      : base(static_cast<const char*>(begin)) {
+    const int64_t lines = std::max<int64_t>(1, bytes / 64);
+    calls = std::max<int64_t>(1, calls);
+    per_call = static_cast<int>((lines + calls - 1) / calls);
+    inc = (lines << 16) / (calls * per_call);
+    last = (lines - 1) << 16;
+  }
   void step() {
-    prefetch_l2(p);
-    p = std::min(p + 64, last);
+    for (int i = 0; i < per_call; ++i) {
+      prefetch_l2(base + ((pos >> 16) << 6));
+      pos = std::min(pos + inc, last);
+    }
   }
 };
 
@@ -268,7 +283,6 @@ inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t off = c * chunk_elems + in;
-    pf.step();
     pf.step();
     VecF k[TOK][H];
     for (int t = 0; t < TOK; ++t) {
@@ -347,6 +361,7 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     VecF a[G_T];
     for (int g = 0; g < G_T; ++g) a[g] = VecF(0.f);
     for (int64_t c = 0; c < num_chunks; ++c) {
+      pf.step();
       const VecF k = load_f32(kblk + c * chunk_elems + j, cnt);
       for (int g = 0; g < G_T; ++g) {
         a[g] = at::vec::fmadd(k, VecF::loadu(qrep + (g * num_chunks + c) * XW + o0), a[g]);
@@ -354,6 +369,20 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     }
     for (int g = 0; g < G_T; ++g) a[g].store(raw + g * raw_stride + j);
   }
+}
+
+// Chunk iterations of one qk_tile call (one PrefetchCursor::step() each), mirroring its loops.
+inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64_t XW) {
+  int64_t steps = 0;
+  if (XW == 2 * W) {
+    const int64_t units = chunk_elems / XW;
+    steps = units / 2 + units % 2;
+  } else {
+    const int64_t three = XW == W ? chunk_elems / (3 * W) : 0;
+    const int64_t two = (chunk_elems - three * 3 * W) / (2 * W);
+    steps = three + two + (chunk_elems - three * 3 * W - two * 2 * W + W - 1) / W;
+  }
+  return steps * num_chunks;
 }
 
 inline float hsum(const VecF& v) {
@@ -740,6 +769,7 @@ struct Layout {
   int64_t x_sum;  // raw lanes per token
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
+  int64_t qk_iters;      // chunk iterations of one qk_tile call
   bool plain_logits;  // no soft cap, no ALiBi
   // (q . s_k k) scale = s_k scale (q . k); fp8_unit: see fp8_unit().
   float qk_scale, v_scale;
@@ -758,6 +788,7 @@ struct Layout {
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
+    qk_iters = qk_tile_iterations(chunk_elems, num_chunks, XW);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
     v_scale = P.v_scale * fp8_unit<CT>();
   }
@@ -925,7 +956,9 @@ struct ItemWorker {
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       int64_t r = 0;
-      PrefetchCursor pf(g.k_next[k], Lt.D * bs * static_cast<int64_t>(sizeof(CT)));
+      // The next block's key lines, spread over every tile of rows (R / 4 + R % 4 tiles).
+      PrefetchCursor pf(g.k_next[k], Lt.D * bs * static_cast<int64_t>(sizeof(CT)),
+                        (R / 4 + R % 4) * Lt.qk_iters);
       auto qk = [&](auto tile, auto one_q) {
         constexpr int G_T = decltype(tile)::value;
         for (; r + G_T <= R; r += G_T)
