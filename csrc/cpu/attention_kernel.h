@@ -385,12 +385,13 @@ inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64
   return steps * num_chunks;
 }
 
+// Horizontal sum / max of the lanes (ATen's shuffle trees on AVX2 and AVX-512).
 inline float hsum(const VecF& v) {
-  float tmp[W];
-  v.store(tmp);
-  float s = 0.f;
-  for (int64_t k = 0; k < W; ++k) s += tmp[k];
-  return s;
+  return at::vec::vec_reduce_all<float>([](const VecF& a, const VecF& b) { return a + b; }, v);
+}
+inline float hmax(const VecF& v) {
+  return at::vec::vec_reduce_all<float>(
+      [](const VecF& a, const VecF& b) { return at::vec::maximum(a, b); }, v);
 }
 
 // Lane k of the result = horizontal sum of r[k], for k < W.
@@ -514,12 +515,7 @@ inline void softmax_step(float* pr, int64_t n, float& m, float& l, float* acc, i
   const float neg_inf = -std::numeric_limits<float>::infinity();
   VecF vmax(neg_inf);
   for (int64_t j = 0; j < n; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
-  float bmax = neg_inf;
-  {
-    float tmp[W];
-    vmax.store(tmp);
-    for (int64_t k = 0; k < W; ++k) bmax = std::max(bmax, tmp[k]);
-  }
+  const float bmax = hmax(vmax);
   if (bmax == neg_inf) {  // the row sees none of the group
     std::fill(pr, pr + n, 0.f);
     return;
