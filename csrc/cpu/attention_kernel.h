@@ -311,7 +311,8 @@ inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_ch
 // kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
 // q chunk c repeated to XW = max(x, W) lanes, so the q vector at offset j % XW lines up with
 // the K vector at j. XW == 2 W (fp8, or bf16 read in pairs, on AVX2): the two halves fold into
-// W lanes per unit instead (qk_step, H = 2).
+// W lanes per unit instead (qk_step, H = 2). Every chunk iteration steps the prefetch cursor
+// once: qk_tile_iterations counts them and must follow any change to these loops.
 template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, int64_t XW, PrefetchCursor& pf) {
