@@ -1,0 +1,170 @@
+"""Interleaved A/B of the AVX2 CPU attention kernel at two or more source revisions.
+
+Builds the AVX2 kernel library (``csrc/cpu/variant_avx2.cpp``, with the flags of
+``kernel_phases.py``) from each revision's ``csrc/``, a git revision or ``.`` for the working
+tree, in a temporary directory, loads them all into one process and times decode calls round
+after round, switching kernels through the table the package uses for CPU dispatch. Every other
+round runs the kernels in reverse order: on the development machine the kernel timed first in a
+round measured 2-5% apart from the others whatever it was, and alternating cancels that.
+
+    python benchmarks/ab_kernels.py 29c3a84 .               # the kernel then and now
+    python benchmarks/ab_kernels.py HEAD~1 . --dtypes fp16,bf16 --shapes 8x2048,1x128
+
+Prints, per dtype and shape, each kernel's median time per (block, kv head) on one thread, its
+GB/s (K and V read once) and its speed-up over the first revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import paged_ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402
+import kernel_phases as kp  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def extract(rev, dest):
+    """Writes `rev`'s csrc/ under dest (dest/csrc); returns a key that names its content."""
+    out = os.path.join(dest, "csrc")
+    shutil.rmtree(out, ignore_errors=True)
+    if rev == ".":
+        shutil.copytree(os.path.join(ROOT, "csrc"), out)
+        h = hashlib.sha256()
+        for dirpath, _, files in sorted(os.walk(out)):
+            for f in sorted(files):
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    h.update(fh.read())
+        return "wt-" + h.hexdigest()[:16]
+    tree = subprocess.run(["git", "-C", ROOT, "rev-parse", f"{rev}:csrc"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    tar = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", rev, "csrc"],
+                         check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        tf.extractall(dest, filter="data")
+    return "git-" + tree[:16]
+
+
+def build(revs, build_dir, jobs):
+    """{rev: path of its AVX2 kernel library}, built once per distinct source tree."""
+    cflags, ldflags = kp.compile_flags()
+    with open(__file__, "rb") as fh:  # the flags live in kernel_phases.py: key on both files
+        flags_key = hashlib.sha256(fh.read() + " ".join(cflags + ldflags).encode()).hexdigest()
+    todo = {}
+    sos = {}
+    for rev in revs:
+        staging = tempfile.mkdtemp(dir=build_dir)
+        key = extract(rev, staging)
+        out = os.path.join(build_dir, f"{key}-{flags_key[:8]}")
+        so = os.path.join(out, "kernel_avx2.so")
+        sos[rev] = so
+        if os.path.exists(so) or out in todo:
+            shutil.rmtree(staging)
+            continue
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(staging, out)
+        todo[out] = so
+
+    def compile_one(item):
+        out, so = item
+        tree = os.path.join(out, "csrc")
+        subprocess.run(["g++", *cflags, f"-I{tree}", os.path.join(tree, "cpu", "variant_avx2.cpp"),
+                        "-o", so, *ldflags], check=True)
+
+    if todo:
+        print(f"building {len(todo)} kernel(s) in {build_dir} ...", flush=True)
+        with ThreadPoolExecutor(jobs) as ex:
+            list(ex.map(compile_one, todo.items()))
+    return sos
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("revs", nargs="+", help="git revisions, or . for the working tree")
+    p.add_argument("--dtypes", default="fp32,fp16,bf16")
+    p.add_argument("--shapes", default="8x2048,32x512", help="BATCHxCONTEXT,...")
+    p.add_argument("--heads", default="32,8", help="query heads,kv heads")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=12, help="rounds (medians reported)")
+    p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "paged_ops_ab"))
+    args = p.parse_args(argv)
+    if len(args.revs) < 2:
+        sys.exit("ab_kernels.py: give at least two revisions")
+    if not torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX2", "AVX512")):
+        sys.exit("ab_kernels.py needs an x86 CPU with AVX2")
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.build_dir, exist_ok=True)
+    sos = build(args.revs, args.build_dir, min(args.threads, len(args.revs)))
+
+    tables = []  # (rev, table); the libraries stay loaded for the whole run
+    for rev in args.revs:
+        lib = ctypes.CDLL(sos[rev], mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
+        tables.append((rev, lib.paged_ops_cpu_kernel_table(), lib))
+    setk = paged_ops._C_LIB.paged_ops_set_cpu_kernel_table
+
+    H, Hkv = map(int, args.heads.split(","))
+    D, bs = 128, 16
+    cases = []
+    for shape in args.shapes.split(","):
+        B, L = map(int, shape.split("x"))
+        for dn in args.dtypes.split(","):
+            q, kc, vc, bt, sl = ba.make_case(B, L, H, Hkv, D, bs, ba.DTYPES[dn], "cpu")
+            out = torch.empty_like(q)
+            ks, vs = ba.kv_scales(kc)
+
+            def run(q=q, kc=kc, vc=vc, bt=bt, sl=sl, out=out, ks=ks, vs=vs, L=L):
+                torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, D**-0.5, None, -1, 0.0,
+                                              ks, vs, L)
+
+            block_heads = B * ((L + bs - 1) // bs) * Hkv
+            cases.append((dn, B, L, block_heads, 2 * B * L * Hkv * D * kc.element_size(), run,
+                          {rev: [] for rev in args.revs}))
+
+    before = paged_ops.cpu_kernel_variant()
+    try:
+        for r in range(args.reps):
+            order = tables if r % 2 == 0 else tables[::-1]
+            for _, _, _, block_heads, _, run, times in cases:
+                n_calls = max(3, 32768 // block_heads)  # ~20 ms of calls or more
+                for rev, tab, _ in order:
+                    setk(ctypes.c_void_p(tab))
+                    run()
+                    t0 = time.perf_counter()
+                    for _ in range(n_calls):
+                        run()
+                    times[rev].append((time.perf_counter() - t0) / n_calls)
+    finally:
+        paged_ops.set_cpu_kernel_variant(before)
+
+    print(f"{args.threads} threads, {H}q/{Hkv}kv, head size {D}, block size {bs}; per (block, "
+          f"kv head) on one thread, median of {args.reps} rounds; speed-up over {args.revs[0]}")
+    for dn, B, L, block_heads, nbytes, _, times in cases:
+        base = statistics.median(times[args.revs[0]])
+        line = f"{dn:5s} B={B:<4d} L={L:<6d}"
+        for rev in args.revs:
+            t = statistics.median(times[rev])
+            line += (f" | {rev}: {t * args.threads / block_heads * 1e9:5.0f} ns "
+                     f"{nbytes / t / 1e9:6.2f} GB/s {base / t:5.2f}x")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
