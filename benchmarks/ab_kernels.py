@@ -27,15 +27,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-import paged_ops
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_attention as ba  # noqa: E402
 import kernel_phases as kp  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,12 +109,12 @@ def main(argv=None):
     os.makedirs(args.build_dir, exist_ok=True)
     sos = build(args.revs, args.build_dir, min(args.threads, len(args.revs)))
 
-    tables = []  # (rev, table); the libraries stay loaded for the whole run
+    libs, tables = [], []  # the libraries stay loaded for the whole run
     for rev in args.revs:
         lib = ctypes.CDLL(sos[rev], mode=os.RTLD_NOW | os.RTLD_LOCAL)
         lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
-        tables.append((rev, lib.paged_ops_cpu_kernel_table(), lib))
-    setk = paged_ops._C_LIB.paged_ops_set_cpu_kernel_table
+        libs.append(lib)
+        tables.append((rev, lib.paged_ops_cpu_kernel_table()))
 
     H, Hkv = map(int, args.heads.split(","))
     D, bs = 128, 16
@@ -126,33 +122,12 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         B, L = map(int, shape.split("x"))
         for dn in args.dtypes.split(","):
-            q, kc, vc, bt, sl = ba.make_case(B, L, H, Hkv, D, bs, ba.DTYPES[dn], "cpu")
-            out = torch.empty_like(q)
-            ks, vs = ba.kv_scales(kc)
-
-            def run(q=q, kc=kc, vc=vc, bt=bt, sl=sl, out=out, ks=ks, vs=vs, L=L):
-                torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, D**-0.5, None, -1, 0.0,
-                                              ks, vs, L)
-
+            run, es = kp.decode_call(B, L, H, Hkv, D, bs, dn)
             block_heads = B * ((L + bs - 1) // bs) * Hkv
-            cases.append((dn, B, L, block_heads, 2 * B * L * Hkv * D * kc.element_size(), run,
+            cases.append((dn, B, L, block_heads, 2 * B * L * Hkv * D * es, run,
                           {rev: [] for rev in args.revs}))
-
-    before = paged_ops.cpu_kernel_variant()
-    try:
-        for r in range(args.reps):
-            order = tables if r % 2 == 0 else tables[::-1]
-            for _, _, _, block_heads, _, run, times in cases:
-                n_calls = max(3, 32768 // block_heads)  # ~20 ms of calls or more
-                for rev, tab, _ in order:
-                    setk(ctypes.c_void_p(tab))
-                    run()
-                    t0 = time.perf_counter()
-                    for _ in range(n_calls):
-                        run()
-                    times[rev].append((time.perf_counter() - t0) / n_calls)
-    finally:
-        paged_ops.set_cpu_kernel_variant(before)
+    # ~20 ms of calls per timing, or more
+    kp.time_interleaved(tables, [(c[5], max(3, 32768 // c[3]), c[6]) for c in cases], args.reps)
 
     print(f"{args.threads} threads, {H}q/{Hkv}kv, head size {D}, block size {bs}; per (block, "
           f"kv head) on one thread, median of {args.reps} rounds; speed-up over {args.revs[0]}")

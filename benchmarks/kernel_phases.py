@@ -179,6 +179,40 @@ def fma_rate_per_thread(probe, threads):
     return min(rates)
 
 
+def decode_call(B, L, H, Hkv, D, bs, dname):
+    """A decode call of bench_attention.py's case: (run, cache element size)."""
+    q, kc, vc, bt, sl = ba.make_case(B, L, H, Hkv, D, bs, ba.DTYPES[dname], "cpu")
+    out = torch.empty_like(q)
+    ks, vs = ba.kv_scales(kc)
+
+    def run():
+        torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, D**-0.5, None, -1, 0.0, ks, vs, L)
+
+    return run, kc.element_size()
+
+
+def time_interleaved(tables, cases, reps):
+    """Times every case with every kernel, round after round, switching kernels through the
+    package's CPU kernel table. tables: [(name, table pointer)]; cases: [(run, calls per
+    timing, {name: [seconds per call]})], appended to. Every other round runs the kernels in
+    reverse order: the kernel timed first in a round measured 2-5% apart from the others,
+    whichever it was."""
+    setk = paged_ops._C_LIB.paged_ops_set_cpu_kernel_table
+    before = paged_ops.cpu_kernel_variant()
+    try:
+        for r in range(reps):
+            for run, n_calls, times in cases:
+                for name, tab in tables if r % 2 == 0 else tables[::-1]:
+                    setk(ctypes.c_void_p(tab))
+                    run()
+                    t0 = time.perf_counter()
+                    for _ in range(n_calls):
+                        run()
+                    times[name].append((time.perf_counter() - t0) / n_calls)
+    finally:
+        paged_ops.set_cpu_kernel_variant(before)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="fp32,fp16,bf16,fp8")
@@ -210,36 +244,14 @@ def main(argv=None):
     print(f"{args.threads} threads; read bandwidth {bw:.1f} GB/s (torch.sum); "
           f"{fma / 1e9:.2f} G vector FMAs/s per thread")
 
-    setk = paged_ops._C_LIB.paged_ops_set_cpu_kernel_table
-    before = paged_ops.cpu_kernel_variant()
-    cases = []
-    for dn in args.dtypes.split(","):
-        q, kc, vc, bt, sl = ba.make_case(B, L, H, Hkv, D, bs, ba.DTYPES[dn], "cpu")
-        out = torch.empty_like(q)
-        ks, vs = ba.kv_scales(kc)
-
-        def run(q=q, kc=kc, vc=vc, bt=bt, sl=sl, out=out, ks=ks, vs=vs):
-            torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, D**-0.5, None, -1, 0.0, ks,
-                                          vs, L)
-
-        cases.append((dn, kc.element_size(), run, {n: [] for n in tables}))
     block_heads = B * ((L + bs - 1) // bs) * Hkv
     n_calls = max(1, 20000 // block_heads)
-    try:
-        for r in range(args.reps):
-            # Every other round in reverse order: the kernel timed first in a round measured
-            # 2-5% apart from the others whatever it was (see ab_kernels.py).
-            order = list(tables.items()) if r % 2 == 0 else list(tables.items())[::-1]
-            for _, _, run, times in cases:
-                for name, tab in order:
-                    setk(ctypes.c_void_p(tab))
-                    run()
-                    t0 = time.perf_counter()
-                    for _ in range(n_calls):
-                        run()
-                    times[name].append((time.perf_counter() - t0) / n_calls)
-    finally:
-        paged_ops.set_cpu_kernel_variant(before)
+    cases = []
+    for dn in args.dtypes.split(","):
+        run, es = decode_call(B, L, H, Hkv, D, bs, dn)
+        cases.append((dn, es, run, {n: [] for n in tables}))
+    time_interleaved(list(tables.items()), [(run, n_calls, t) for _, _, run, t in cases],
+                     args.reps)
 
     G = H // Hkv
     fmas = G * D * bs / 8  # vector FMAs of q.k (and of p.v) per (block, kv head)
