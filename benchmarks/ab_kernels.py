@@ -17,8 +17,6 @@ GB/s (K and V read once) and its speed-up over the first revision.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import hashlib
 import io
 import os
 import shutil
@@ -43,12 +41,7 @@ def extract(rev, dest):
     shutil.rmtree(out, ignore_errors=True)
     if rev == ".":
         shutil.copytree(os.path.join(ROOT, "csrc"), out)
-        h = hashlib.sha256()
-        for dirpath, _, files in sorted(os.walk(out)):
-            for f in sorted(files):
-                with open(os.path.join(dirpath, f), "rb") as fh:
-                    h.update(fh.read())
-        return "wt-" + h.hexdigest()[:16]
+        return "wt-" + kp.tree_digest(out).hexdigest()[:16]
     tree = subprocess.run(["git", "-C", ROOT, "rev-parse", f"{rev}:csrc"], check=True,
                           capture_output=True, text=True).stdout.strip()
     tar = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", rev, "csrc"],
@@ -60,9 +53,8 @@ def extract(rev, dest):
 
 def build(revs, build_dir, jobs):
     """{rev: path of its AVX2 kernel library}, built once per distinct source tree."""
-    cflags, ldflags = kp.compile_flags()
-    with open(__file__, "rb") as fh:  # the flags live in kernel_phases.py: key on both files
-        flags_key = hashlib.sha256(fh.read() + " ".join(cflags + ldflags).encode()).hexdigest()
+    # Keyed on the build command too (kernel_phases.py and the torch install's flags).
+    flags_key = kp.script_digest().hexdigest()
     todo = {}
     sos = {}
     for rev in revs:
@@ -78,16 +70,11 @@ def build(revs, build_dir, jobs):
         os.replace(staging, out)
         todo[out] = so
 
-    def compile_one(item):
-        out, so = item
-        tree = os.path.join(out, "csrc")
-        subprocess.run(["g++", *cflags, f"-I{tree}", os.path.join(tree, "cpu", "variant_avx2.cpp"),
-                        "-o", so, *ldflags], check=True)
-
     if todo:
         print(f"building {len(todo)} kernel(s) in {build_dir} ...", flush=True)
         with ThreadPoolExecutor(jobs) as ex:
-            list(ex.map(compile_one, todo.items()))
+            list(ex.map(lambda item: kp.compile_variant(os.path.join(item[0], "csrc"), item[1]),
+                        todo.items()))
     return sos
 
 
@@ -103,18 +90,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if len(args.revs) < 2:
         sys.exit("ab_kernels.py: give at least two revisions")
-    if not torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX2", "AVX512")):
-        sys.exit("ab_kernels.py needs an x86 CPU with AVX2")
+    kp.require_avx2("ab_kernels.py")
     torch.set_num_threads(args.threads)
     os.makedirs(args.build_dir, exist_ok=True)
     sos = build(args.revs, args.build_dir, min(args.threads, len(args.revs)))
 
-    libs, tables = [], []  # the libraries stay loaded for the whole run
-    for rev in args.revs:
-        lib = ctypes.CDLL(sos[rev], mode=os.RTLD_NOW | os.RTLD_LOCAL)
-        lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
-        libs.append(lib)
-        tables.append((rev, lib.paged_ops_cpu_kernel_table()))
+    libs = [kp.load_kernel_table(sos[rev]) for rev in args.revs]  # kept loaded for the run
+    tables = [(rev, tab) for rev, (_, tab) in zip(args.revs, libs)]
 
     H, Hkv = map(int, args.heads.split(","))
     D, bs = 128, 16

@@ -111,17 +111,48 @@ def compile_flags():
             [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"])
 
 
-def build(build_dir, jobs):
-    """The instrumented variants (rebuilt only when csrc or this script changed)."""
-    src = os.path.join(ROOT, "csrc")
-    h = hashlib.sha256()
-    for dirpath, _, files in sorted(os.walk(src)):
+def tree_digest(path, h=None):
+    """A sha256 of every file below `path` (names in sorted order, contents)."""
+    h = h or hashlib.sha256()
+    for dirpath, _, files in sorted(os.walk(path)):
         for f in sorted(files):
             with open(os.path.join(dirpath, f), "rb") as fh:
                 h.update(fh.read())
+    return h
+
+
+def script_digest():
+    """A sha256 of the build command: this script, and the flags it takes from the torch
+    install."""
+    cflags, ldflags = compile_flags()
     with open(__file__, "rb") as fh:
-        h.update(fh.read())
-    out = os.path.join(build_dir, h.hexdigest()[:16])
+        return hashlib.sha256(fh.read() + " ".join(cflags + ldflags).encode())
+
+
+def compile_variant(tree, so, defines=()):
+    """Builds the AVX2 kernel library of the csrc tree `tree` into `so`."""
+    cflags, ldflags = compile_flags()
+    subprocess.run(["g++", *cflags, *defines, f"-I{tree}",
+                    os.path.join(tree, "cpu", "variant_avx2.cpp"), "-o", so, *ldflags],
+                   check=True)
+
+
+def load_kernel_table(so):
+    """(library, its kernel table pointer); keep the library alive while the table is used."""
+    lib = ctypes.CDLL(so, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
+    return lib, lib.paged_ops_cpu_kernel_table()
+
+
+def require_avx2(script):
+    if not torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX2", "AVX512")):
+        sys.exit(f"{script} needs an x86 CPU with AVX2")
+
+
+def build(build_dir, jobs):
+    """The instrumented variants (rebuilt only when csrc or this script changed)."""
+    src = os.path.join(ROOT, "csrc")
+    out = os.path.join(build_dir, tree_digest(src, script_digest()).hexdigest()[:16])
     sos = {name: os.path.join(out, f"{name}.so") for name in VARIANTS}
     probe = os.path.join(out, "fma_probe.so")
     if all(os.path.exists(p) for p in [*sos.values(), probe]):
@@ -141,15 +172,11 @@ def build(build_dir, jobs):
         text = text.replace(old, new)
     with open(path, "w") as fh:
         fh.write(text)
-    cflags, ldflags = compile_flags()
-    variant_src = os.path.join(tree, "cpu", "variant_avx2.cpp")
 
     def compile_one(item):
         name, (a, qk, sm, pv) = item
-        defs = [f"-DPHASE_ARITH={a}", f"-DPHASE_QK={qk}", f"-DPHASE_SM={sm}", f"-DPHASE_PV={pv}"]
-        cmd = ["g++", *cflags, *defs, f"-I{tree}", variant_src, "-o", sos[name], *ldflags]
-        subprocess.run(cmd, check=True)
-        return name
+        compile_variant(tree, sos[name], [f"-DPHASE_ARITH={a}", f"-DPHASE_QK={qk}",
+                                          f"-DPHASE_SM={sm}", f"-DPHASE_PV={pv}"])
 
     print(f"building {len(VARIANTS)} variants in {out} ...", flush=True)
     with ThreadPoolExecutor(jobs) as ex:
@@ -222,8 +249,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=9, help="interleaved rounds (medians reported)")
     p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "paged_ops_phases"))
     args = p.parse_args(argv)
-    if not torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX2", "AVX512")):
-        sys.exit("kernel_phases.py needs an x86 CPU with AVX2")
+    require_avx2("kernel_phases.py")
     torch.set_num_threads(args.threads)
     B, L = map(int, args.shape.split("x"))
     H, Hkv = map(int, args.heads.split(","))
@@ -232,13 +258,8 @@ def main(argv=None):
         sys.exit("--shape: the context must span at least two blocks")
 
     sos, probe = build(args.build_dir, min(args.threads, len(VARIANTS)))
-    tables = {}
-    libs = []
-    for name, so in sos.items():
-        lib = ctypes.CDLL(so, mode=os.RTLD_NOW | os.RTLD_LOCAL)
-        lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
-        libs.append(lib)
-        tables[name] = lib.paged_ops_cpu_kernel_table()
+    libs = {name: load_kernel_table(so) for name, so in sos.items()}  # kept loaded
+    tables = {name: tab for name, (_, tab) in libs.items()}
     fma = fma_rate_per_thread(probe, args.threads)
     bw, _ = ba.read_bandwidth_gbs("cpu")
     print(f"{args.threads} threads; read bandwidth {bw:.1f} GB/s (torch.sum); "
