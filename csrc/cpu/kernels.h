@@ -6,9 +6,11 @@
 
 #include <cstdint>
 
+#include "dtype.h"
+
 namespace paged::cpu {
 
-enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2, F8E4M3 = 3, F8E5M2 = 4 };
+using paged::DType;
 
 struct AttentionParams {
   void* out;  // [num_tokens, num_heads, head_size], last dim contiguous

@@ -9,6 +9,7 @@
 
 #include <atomic>
 
+#include "attention_args.h"
 #include "checks.h"
 #include "cpu/kernels.h"
 
@@ -25,17 +26,6 @@ const KernelTable* kernels() {
   return t ? t : default_kernel_table();
 }
 
-DType to_dtype(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::F32;
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kFloat8_e4m3fn: return DType::F8E4M3;
-    case at::kFloat8_e5m2: return DType::F8E5M2;
-    default: TORCH_CHECK(false, "unsupported dtype ", t);  // unreachable after the checks
-  }
-}
-
 void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale,
@@ -45,43 +35,17 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
                     const std::optional<at::Tensor>& query_start_loc, const AttentionDims& d) {
   if (d.num_seqs == 0 || d.num_tokens == 0) return;
   AttentionParams p{};
-  p.out = out.data_ptr();
-  p.out_stride_seq = out.stride(0);
-  p.out_stride_head = out.stride(1);
-  p.query = query.data_ptr();
-  p.q_stride_seq = query.stride(0);
-  p.q_stride_head = query.stride(1);
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.k_stride_block = key_cache.stride(0);
-  p.v_stride_block = value_cache.stride(0);
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.bt_stride_seq = block_tables.stride(0);
-  p.bt_stride_col = block_tables.stride(1);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.sl_stride = seq_lens.stride(0);
-  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
-  p.alibi_stride = alibi_slopes.has_value() ? alibi_slopes->stride(0) : 0;
+  set_attention_args(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                     alibi_slopes, sliding_window, logits_soft_cap, d);
   // query_start_loc is small and read on every item: a contiguous copy (a no-op if it is one).
   at::Tensor qsl;
   if (query_start_loc.has_value()) qsl = query_start_loc->contiguous();
   p.query_start_loc = qsl.defined() ? qsl.data_ptr<int32_t>() : nullptr;
-  p.num_seqs = d.num_seqs;
-  p.num_tokens = d.num_tokens;
-  p.num_heads = d.num_heads;
-  p.num_kv_heads = d.cache.num_kv_heads;
-  p.head_size = d.cache.head_size;
-  p.block_size = d.cache.block_size;
   p.x = d.cache.x;
-  p.scale = static_cast<float>(scale);
-  p.logits_soft_cap = static_cast<float>(logits_soft_cap);
-  p.sliding_window = sliding_window;
   const bool fp8 = is_fp8(key_cache.scalar_type());
   p.k_scale = fp8 ? host_scale(*k_scale) : 1.f;
   p.v_scale = fp8 ? host_scale(*v_scale) : 1.f;
   p.num_threads = at::get_num_threads();
-  p.dtype = to_dtype(query.scalar_type());
-  p.cache_dtype = to_dtype(key_cache.scalar_type());
   kernels()->attention(p);
 }
 

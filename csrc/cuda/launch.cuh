@@ -8,11 +8,11 @@
 
 #include <cstdint>
 
+#include "dtype.h"
+
 namespace paged::gpu {
 
-// Query / output dtypes are F32, F16, BF16; caches may also be fp8 (torch.float8_e4m3fn,
-// torch.float8_e5m2).
-enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2, F8E4M3 = 3, F8E5M2 = 4 };
+using paged::DType;
 
 // ---------------------------------------------------------------------------------------------
 // Decode attention

@@ -28,22 +28,12 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "attention_args.h"
 #include "checks.h"
 #include "cuda/launch.cuh"
 
 namespace paged::gpu {
 namespace {
-
-DType to_dtype(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::F32;
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kFloat8_e4m3fn: return DType::F8E4M3;
-    case at::kFloat8_e5m2: return DType::F8E5M2;
-    default: TORCH_CHECK(false, "unsupported dtype ", t);  // unreachable after the checks
-  }
-}
 
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor here, got ", t.device());
@@ -97,43 +87,17 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   const c10::cuda::CUDAGuard guard(query.device());
 
   AttentionParams p{};
-  p.out = out.data_ptr();
-  p.out_stride_seq = out.stride(0);
-  p.out_stride_head = out.stride(1);
-  p.query = query.data_ptr();
-  p.q_stride_seq = query.stride(0);
-  p.q_stride_head = query.stride(1);
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.k_stride_block = key_cache.stride(0);
-  p.v_stride_block = value_cache.stride(0);
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.bt_stride_seq = block_tables.stride(0);
-  p.bt_stride_col = block_tables.stride(1);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.sl_stride = seq_lens.stride(0);
-  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
-  p.alibi_stride = alibi_slopes.has_value() ? alibi_slopes->stride(0) : 0;
-  p.num_seqs = d.num_seqs;
-  p.num_heads = static_cast<int32_t>(d.num_heads);
-  p.num_kv_heads = static_cast<int32_t>(d.cache.num_kv_heads);
-  p.head_size = static_cast<int32_t>(d.cache.head_size);
-  p.block_size = static_cast<int32_t>(d.cache.block_size);
+  set_attention_args(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                     alibi_slopes, sliding_window, logits_soft_cap, d);
   p.num_blocks = d.cache.num_blocks;
-  p.scale = static_cast<float>(scale);
-  p.logits_soft_cap = static_cast<float>(logits_soft_cap);
-  p.sliding_window = sliding_window;
   // Device-side clamp of seq_lens: what the block table can address, and max_seq_len if given.
   int64_t max_len = d.max_blocks_per_seq * d.cache.block_size;
   if (max_seq_len.has_value() && *max_seq_len < max_len) max_len = *max_seq_len;
   p.max_len = max_len;
-  p.dtype = to_dtype(query.scalar_type());
-  p.cache_dtype = to_dtype(key_cache.scalar_type());
   if (is_fp8(key_cache.scalar_type())) {  // scales of other caches are ignored
     p.k_scale = scale_ptr(k_scale);
     p.v_scale = scale_ptr(v_scale);
   }
-  p.num_tokens = d.num_tokens;
   const int device = query.device().index();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
 
@@ -287,8 +251,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   p.head_size = static_cast<int32_t>(d.cache.head_size);
   p.block_size = static_cast<int32_t>(d.cache.block_size);
   p.elem_size = static_cast<int32_t>(es);
-  p.in_dtype = to_dtype(key.scalar_type());
-  p.cache_dtype = to_dtype(key_cache.scalar_type());
+  p.in_dtype = kernel_dtype(key.scalar_type());
+  p.cache_dtype = kernel_dtype(key_cache.scalar_type());
   if (is_fp8(key_cache.scalar_type())) {
     p.k_scale = scale_ptr(k_scale);
     p.v_scale = scale_ptr(v_scale);
