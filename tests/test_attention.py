@@ -10,13 +10,7 @@ from paged_ops import reference as ref
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=paged_ops.supported_cpu_kernel_variants(), autouse=True)
-def cpu_variant(request):
-    """Run every test on each CPU kernel build this CPU supports (e.g. avx2 and default)."""
-    before = paged_ops.cpu_kernel_variant()
-    paged_ops.set_cpu_kernel_variant(request.param)
-    yield request.param
-    paged_ops.set_cpu_kernel_variant(before)
+pytestmark = pytest.mark.usefixtures("cpu_variant")  # conftest.py: every CPU kernel build
 
 
 def check(pg, q, dtype, **kw):

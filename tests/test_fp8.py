@@ -250,14 +250,6 @@ def test_attention_bad_scales(case):
 # ---- attention over fp8 caches ----------------------------------------------------------------
 
 
-@pytest.fixture(params=paged_ops.supported_cpu_kernel_variants())
-def cpu_variant(request):
-    """Run the test on each CPU attention kernel build this CPU supports (e.g. avx2, default)."""
-    before = paged_ops.cpu_kernel_variant()
-    paged_ops.set_cpu_kernel_variant(request.param)
-    yield request.param
-    paged_ops.set_cpu_kernel_variant(before)
-
 
 FP8_TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),

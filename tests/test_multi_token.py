@@ -16,13 +16,7 @@ from paged_ops import reference as ref
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True, params=paged_ops.supported_cpu_kernel_variants())
-def cpu_variant(request):
-    """Run the test on each CPU attention kernel build this CPU supports (e.g. avx2, default)."""
-    before = paged_ops.cpu_kernel_variant()
-    paged_ops.set_cpu_kernel_variant(request.param)
-    yield request.param
-    paged_ops.set_cpu_kernel_variant(before)
+pytestmark = pytest.mark.usefixtures("cpu_variant")  # conftest.py: every CPU kernel build
 
 
 def run(pg, q, qsl, *, scale=None, out=None, **kw):
