@@ -72,6 +72,20 @@ const float* scale_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+// Split-K scratch when p.num_partitions > 1 (else undefined): `rows` query rows x
+// num_partitions, each head_size partial outputs + max + sum, fp32; p.tmp_* point into it.
+// Returned so that it lives until the launch is queued (the caching allocator orders reuse
+// on the stream).
+at::Tensor split_scratch(AttentionParams& p, int64_t rows, const at::Tensor& query) {
+  if (p.num_partitions <= 1) return {};
+  rows *= p.num_partitions;
+  at::Tensor scratch = at::empty({rows * (p.head_size + 2)}, query.options().dtype(at::kFloat));
+  p.tmp_out = scratch.data_ptr<float>();
+  p.tmp_max = p.tmp_out + rows * p.head_size;
+  p.tmp_sum = p.tmp_max + rows;
+  return scratch;
+}
+
 void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale,
@@ -126,15 +140,8 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
                     p.num_heads <= 65535,
                 "too many heads for the CUDA multi-token kernel's grid (num_heads = ",
                 p.num_heads, ")");
-    at::Tensor scratch;
-    if (p.num_partitions > 1) {
-      // [num_tokens, num_heads, num_partitions] x (head_size outputs + max + sum), fp32.
-      const int64_t rows = d.num_tokens * d.num_heads * p.num_partitions;
-      scratch = at::empty({rows * (p.head_size + 2)}, query.options().dtype(at::kFloat));
-      p.tmp_out = scratch.data_ptr<float>();
-      p.tmp_max = p.tmp_out + rows * p.head_size;
-      p.tmp_sum = p.tmp_max + rows;
-    }
+    // [num_tokens, num_heads, num_partitions] rows.
+    const at::Tensor scratch = split_scratch(p, d.num_tokens * d.num_heads, query);
     cudaError_t err = cudaErrorInvalidValue;
     switch (p.cache_dtype) {
       case DType::F32: err = launch_multi_f32(p, stream); break;
@@ -166,15 +173,8 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
               "too many heads for the CUDA decode kernel's grid (num_heads = ", p.num_heads, ")");
   TORCH_CHECK(d.num_seqs <= INT32_MAX, "too many sequences for one launch: ", d.num_seqs);
 
-  at::Tensor scratch;
-  if (p.num_partitions > 1) {
-    // [num_seqs, num_heads, num_partitions] x (head_size outputs + max + sum), fp32.
-    const int64_t rows = d.num_seqs * d.num_heads * p.num_partitions;
-    scratch = at::empty({rows * (p.head_size + 2)}, query.options().dtype(at::kFloat));
-    p.tmp_out = scratch.data_ptr<float>();
-    p.tmp_max = p.tmp_out + rows * p.head_size;
-    p.tmp_sum = p.tmp_max + rows;
-  }
+  // [num_seqs, num_heads, num_partitions] rows.
+  const at::Tensor scratch = split_scratch(p, d.num_seqs * d.num_heads, query);
 
   cudaError_t err = cudaErrorInvalidValue;
   switch (p.cache_dtype) {
