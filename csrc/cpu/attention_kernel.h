@@ -191,7 +191,7 @@ struct Scratch {
   std::vector<float> raw;    // [R][KP] per-lane partial q.k sums of one block (t * x + i)
   std::vector<float> p;      // [R][kGroup * BP] logits, then probabilities of a group of blocks
   std::vector<float> acc;    // [HR][D][W] running sum of p * v, lanes not yet summed (pv_group)
-  std::vector<float> o;      // [R][D] acc with its lanes summed, at the end of an item
+  std::vector<float> o;      // [HR][D] acc with its lanes summed, at the end of an item
   std::vector<float> qf;     // [D] one query row in fp32, pre-scaled (to fill qrep)
   std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
   std::vector<uint8_t> vraw;  // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
@@ -448,18 +448,38 @@ inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z)
   }
 }
 
+// out[u] = sum of the lanes of a[u], u < N: an item's p.v result leaving pv_group.
+template <int N>
+inline void store_lane_sums(const VecF* a, float* out) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (N == 2 || N == 3) {  // one hadd tree for the N vectors
+    const __m256 t01 = _mm256_hadd_ps(a[0], a[1]);
+    const __m256 t2 = N == 3 ? _mm256_hadd_ps(a[2], a[2]) : t01;
+    const __m256 u = _mm256_hadd_ps(t01, t2);  // [s0 s1 s2 s2 | s0 s1 s2 s2] (low / high lanes)
+    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    _mm_storel_pi(reinterpret_cast<__m64*>(out), v);
+    if constexpr (N == 3) _mm_store_ss(out + 2, _mm_movehl_ps(v, v));
+    return;
+  }
+#endif
+  for (int u = 0; u < N; ++u) out[u] = hsum(a[u]);
+}
+
 // p . v without horizontal sums: acc[r][d] is a W-lane vector whose lanes hold sum_t p[r][t] *
-// v[d][t] over the offsets t = lane (mod W), summed across lanes once per work item
-// (reduce_acc) instead of once per block. For the nb [D][bs] V blocks of a group, bs == NV * W:
+// v[d][t] over the offsets t = lane (mod W), summed across lanes once per work item (in
+// registers by the item's last group; reduce_acc otherwise) instead of once per block. For the nb [D][bs] V blocks of a group, bs == NV * W:
 // the accumulators of a tile of RT query rows stay in registers across the group (one load and
 // store per group), each V row is loaded (and converted) once for the tile, and the
 // probabilities p[r][k * BP + t] are FMA memory operands. next[k]: the blocks to prefetch.
-// init: start from zero rather than from acc (an item's first group).
+// init: start from zero rather than from acc (an item's first group). out (an item's last
+// group): the lanes are summed in registers into out[r * out_stride + d] instead of stored to
+// acc (reduce_acc's work, without writing and re-reading acc: an item of one group never
+// touches acc at all).
 // NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb blocks.
 template <int NV, int RT, int NB, typename VT, typename NT>
 inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int64_t p_stride,
                      float* acc, int64_t acc_stride, int64_t D, const NT* const* next_in,
-                     int64_t vrow_bytes, bool init) {
+                     int64_t vrow_bytes, bool init, float* out, int64_t out_stride) {
   constexpr int64_t BPv = NV * W;
   constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
   const int64_t nb = NB > 0 ? NB : nb_in;
@@ -500,6 +520,10 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
           for (int u = 0; u < DTc; ++u) a[r][u] = at::vec::fmadd(v[u], pv, a[r][u]);
         }
       }
+    }
+    if (out != nullptr) {
+      for (int r = 0; r < RT; ++r) store_lane_sums<DTc>(a[r], out + r * out_stride + d);
+      return;
     }
     for (int r = 0; r < RT; ++r)
       for (int u = 0; u < DTc; ++u) a[r][u].store(acc + r * acc_stride + (d + u) * W);
@@ -815,6 +839,7 @@ struct ItemWorker {
   const CT* const vc;
   ItemInfo it{};
   int64_t R = 0;  // query rows of one kv head of the item
+  bool reduced = false;  // pv summed the accumulators' lanes into o (the item's last group)
 
   ItemWorker(const AttentionParams& P_, const Layout<CT>& Lt_, const Plan& plan_, Scratch& S_)
       : P(P_), Lt(Lt_), plan(plan_), S(S_), kc(static_cast<const CT*>(P_.key_cache)),
@@ -825,7 +850,7 @@ struct ItemWorker {
     grow(S.raw, R_max * Lt.KP);
     grow(S.p, R_max * Lt.PG);
     grow(S.acc, HR_max * Lt.AS);
-    grow(S.o, R_max * Lt.D);
+    grow(S.o, HR_max * Lt.D);
     grow(S.qf, Lt.D);
     grow(S.vtmp, kGroup * Lt.D * Lt.bs);
     grow(S.vraw, kGroup * Lt.D * Lt.bs * static_cast<int64_t>(sizeof(CT)));
@@ -882,6 +907,7 @@ struct ItemWorker {
   // across lanes for q.k), running max and normalizer.
   void start(const ItemInfo& info) {
     it = info;
+    reduced = false;
     const int64_t G = Lt.G, D = Lt.D, XW = Lt.XW, num_chunks = Lt.num_chunks;
     R = (it.j1 - it.j0) * G;
     for (int64_t r = 0; r < R; ++r) {
@@ -1020,9 +1046,11 @@ struct ItemWorker {
   // covers them or the cache is fp32; else the group is converted to fp32 once, for all
   // tiles. (Converting a whole group for its one partial block made calls of odd lengths
   // 13-25% slower.)
-  void pv(int64_t hl, int64_t nb, bool first, const GroupBlocks<CT>& g) {
+  void pv(int64_t hl, int64_t nb, bool first, bool last, const GroupBlocks<CT>& g) {
     const int64_t D = Lt.D, bs = Lt.bs, PG = Lt.PG, AS = Lt.AS;
     float* const acc_h = S.acc.data() + hl * R * AS;
+    // The item's last group sums the lanes into o itself (finish then skips reduce_acc).
+    float* const o_h = last ? S.o.data() + hl * R * D : nullptr;
     const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
     auto vcopy = [&]() {
       for (int64_t k = 0; k < nb; ++k)
@@ -1040,17 +1068,19 @@ struct ItemWorker {
       constexpr int NVc = decltype(nv)::value;
       const float* pp = S.p.data();
       int64_t r2 = 0;
+      auto o = [&](int64_t r) { return o_h ? o_h + r * D : nullptr; };
       if (nb == kGroup) {
         for (; r2 + 4 <= R; r2 += 4)
           pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
-                                   vrow_bytes, first);
+                                   vrow_bytes, first, o(r2), D);
       }
       for (; r2 + 4 <= R; r2 += 4)
         pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
-                            vrow_bytes, first);
+                            vrow_bytes, first, o(r2), D);
       for (; r2 < R; ++r2)
         pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
-                            vrow_bytes, first);
+                            vrow_bytes, first, o(r2), D);
+      reduced = last;
     };
     auto dispatch = [&](auto src) {
       if (Lt.NV == 1) run(std::integral_constant<int, 1>{}, src);
@@ -1086,8 +1116,11 @@ struct ItemWorker {
     QT* o_base = static_cast<QT*>(P.out);
     for (int64_t hl = 0; hl < it.nh; ++hl) {
       const int64_t kvh = it.kvh + hl;
-      for (int64_t r = 0; r < R; ++r)
-        reduce_acc(S.acc.data() + (hl * R + r) * Lt.AS, S.o.data() + r * D, D);
+      float* const o_h = S.o.data() + hl * R * D;
+      if (!reduced) {
+        for (int64_t r = 0; r < R; ++r)
+          reduce_acc(S.acc.data() + (hl * R + r) * Lt.AS, o_h + r * D, D);
+      }
       const float* m_h = S.m.data() + hl * R;
       const float* l_h = S.l.data() + hl * R;
       if (plan.splits > 1) {
@@ -1095,7 +1128,7 @@ struct ItemWorker {
         for (int64_t g = 0; g < G; ++g) {
           part_ml[(part * G + g) * 2] = m_h[g];
           part_ml[(part * G + g) * 2 + 1] = l_h[g];
-          std::copy(S.o.begin() + g * D, S.o.begin() + g * D + D, part_o + (part * G + g) * D);
+          std::copy(o_h + g * D, o_h + g * D + D, part_o + (part * G + g) * D);
         }
         continue;
       }
@@ -1104,7 +1137,7 @@ struct ItemWorker {
         QT* o = o_base + (it.row0 + (multi ? j : 0)) * P.out_stride_seq +
                 (kvh * G + g) * P.out_stride_head;
         // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
-        store_scaled(S.o.data() + r * D, l_h[r] > 0.f ? Lt.v_scale / l_h[r] : 0.f, o, D);
+        store_scaled(o_h + r * D, l_h[r] > 0.f ? Lt.v_scale / l_h[r] : 0.f, o, D);
       }
     }
   }
@@ -1173,7 +1206,7 @@ void attention_impl(const AttentionParams& P) {
           w.group_blocks(hl, b0, nb, item + 1, end, g);
           w.logits(hl, b0, nb, g);
           w.softmax(hl, nb, g);
-          w.pv(hl, nb, b0 == w.it.b_first, g);
+          w.pv(hl, nb, b0 == w.it.b_first, b0 + nb > w.it.b_last, g);
         }
       }
       w.finish(part_ml.data(), part_o.data());
