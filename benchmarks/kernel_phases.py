@@ -64,6 +64,9 @@ EDITS = [
     ("zero the accumulators without p.v",
      "    if (!Lt.fast_pv || it.b_first > it.b_last)",
      "    if (!PHASE_PV || !Lt.fast_pv || it.b_first > it.b_last)"),
+    # p.v sums the accumulators' lanes on an item's last group: without p.v, skip that sum in
+    # finish too, so that it counts in p.v's time, not in the rest.
+    ("no lane sums without p.v", "      if (!reduced) {", "      if (!reduced && PHASE_PV) {"),
 ]
 
 # name -> (PHASE_ARITH, PHASE_QK, PHASE_SM, PHASE_PV)
