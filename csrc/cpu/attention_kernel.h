@@ -199,6 +199,20 @@ struct Scratch {
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
 };
 
+// Per-call buffers shared by the threads of a call, owned by the calling thread and reused from
+// call to call (grow-only): a call allocates nothing once the shapes have been seen. (Split-K
+// states reach MiBs on many-core machines, where malloc hands them out with mmap: fresh pages,
+// faulted in on every call.)
+struct CallScratch {
+  std::vector<int64_t> chunk_start;  // Plan::chunk_start
+  std::vector<float> part_ml, part_o;  // split-K partial states (attention_impl)
+};
+
+inline CallScratch& call_scratch() {
+  static thread_local CallScratch s;
+  return s;
+}
+
 inline Scratch& thread_scratch() {
   static thread_local Scratch s;
   return s;
@@ -654,7 +668,8 @@ struct Plan {
   int64_t head_chunks;       // items per sequence and split: num_kv_heads / heads_per_item,
                              // rounded up (the last chunk may have fewer heads)
   int64_t splits;            // block-range splits per sequence (decode only)
-  std::vector<int64_t> chunk_start;  // multi-token: prefix sums of chunks per sequence
+  const int64_t* chunk_start;  // multi-token: prefix sums of chunks per sequence (in
+                               // call_scratch(), num_seqs + 1 of them)
   int64_t num_items;
   int64_t grain;             // items per parallel task
 };
@@ -674,6 +689,7 @@ inline Plan make_plan(const AttentionParams& P) {
   }
 
   Plan plan;
+  plan.chunk_start = nullptr;
   plan.splits = 1;
   plan.heads_per_item = 1;
   plan.head_chunks = P.num_kv_heads;
@@ -681,14 +697,15 @@ inline Plan make_plan(const AttentionParams& P) {
     // Chunks of query tokens: about 64 query rows per item keeps the scratch in L2 and gives
     // long prompts parallelism.
     plan.tokens_per_chunk = std::max<int64_t>(1, 64 / G);
-    plan.chunk_start.resize(P.num_seqs + 1);
-    plan.chunk_start[0] = 0;
+    std::vector<int64_t>& starts = call_scratch().chunk_start;
+    grow(starts, P.num_seqs + 1);
+    starts[0] = 0;
     for (int64_t s = 0; s < P.num_seqs; ++s) {
       const int64_t q_len = P.query_start_loc[s + 1] - P.query_start_loc[s];
-      plan.chunk_start[s + 1] =
-          plan.chunk_start[s] + (q_len + plan.tokens_per_chunk - 1) / plan.tokens_per_chunk;
+      starts[s + 1] = starts[s] + (q_len + plan.tokens_per_chunk - 1) / plan.tokens_per_chunk;
     }
-    plan.num_items = plan.chunk_start[P.num_seqs] * P.num_kv_heads;
+    plan.chunk_start = starts.data();
+    plan.num_items = starts[P.num_seqs] * P.num_kv_heads;
   } else {
     plan.tokens_per_chunk = 1;
     // An item reads every kv head of its blocks: a block's heads are contiguous in the cache,
@@ -742,8 +759,8 @@ inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t it
   if (P.query_start_loc != nullptr) {
     const int64_t c = item / P.num_kv_heads;
     it.kvh = item % P.num_kv_heads;
-    it.s = std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), c) -
-           plan.chunk_start.begin() - 1;
+    it.s = std::upper_bound(plan.chunk_start, plan.chunk_start + P.num_seqs + 1, c) -
+           plan.chunk_start - 1;
     it.q_len = P.query_start_loc[it.s + 1] - P.query_start_loc[it.s];
     it.j0 = (c - plan.chunk_start[it.s]) * plan.tokens_per_chunk;
     it.j1 = std::min(it.q_len, it.j0 + plan.tokens_per_chunk);
@@ -1153,7 +1170,8 @@ void merge_splits(const AttentionParams& P, const Plan& plan, float v_scale,
   const int64_t D = P.head_size;
   QT* o_base = static_cast<QT*>(P.out);
   at::parallel_for(0, P.num_seqs * P.num_kv_heads * G, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
+    std::vector<float>& acc = thread_scratch().qf;  // free: the items are done
+    grow(acc, D);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t g = w % G;
       const int64_t pair = w / G;  // s * num_kv_heads + kvh
@@ -1185,12 +1203,13 @@ void attention_impl(const AttentionParams& P) {
   const Layout<CT> Lt(P);
   const Plan plan = make_plan(P);
   // Split-K partial states, per (sequence, kv head, split): [G] of (m, l), [G][D] of
-  // unnormalised output.
-  std::vector<float> part_ml, part_o;
+  // unnormalised output. finish writes every one (an empty split: m = -inf, l = 0, o = 0).
+  std::vector<float>& part_ml = call_scratch().part_ml;
+  std::vector<float>& part_o = call_scratch().part_o;
   if (plan.splits > 1) {
     const int64_t parts = P.num_seqs * P.num_kv_heads * plan.splits;
-    part_ml.assign(parts * Lt.G * 2, 0.f);
-    part_o.assign(parts * Lt.G * Lt.D, 0.f);
+    grow(part_ml, parts * Lt.G * 2);
+    grow(part_o, parts * Lt.G * Lt.D);
   }
   at::parallel_for(0, plan.num_items, plan.grain, [&](int64_t begin, int64_t end) {
     ItemWorker<QT, CT> w(P, Lt, plan, thread_scratch());

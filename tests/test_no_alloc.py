@@ -1,0 +1,91 @@
+"""The CPU attention kernel allocates nothing per call once warm (issue 5: "no allocation per
+call in the hot path"): split-K states, plans and scratch are reused from call to call.
+
+A subprocess runs paged::attention_out with LD_PRELOAD of a small library that counts the
+calls of malloc / calloc / realloc / posix_memalign / aligned_alloc of 4 KiB or more (torch's
+Python binding makes two small ones per op call; every buffer of the kernel that matters is
+larger) and checks the count does not grow over repeated calls: decode with and without
+split-K, fp32 / bf16 / fp8 caches, and several query tokens per sequence. glibc serves such
+blocks with mmap past its threshold, so on many-core machines (split-K states of MiBs) every
+call would otherwise fault in fresh pages.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import paged_ops
+
+COUNTER = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+long paged_big_allocs = 0;
+static void count(size_t n) {
+  if (n >= 4096) __atomic_add_fetch(&paged_big_allocs, 1, __ATOMIC_RELAXED);
+}
+#define REAL(name) \
+  static __typeof__(&name) real; \
+  if (!real) real = (__typeof__(&name))dlsym(RTLD_NEXT, #name)
+void* malloc(size_t n) { REAL(malloc); count(n); return real(n); }
+void* calloc(size_t a, size_t b) { REAL(calloc); count(a * b); return real(a, b); }
+void* realloc(void* p, size_t n) { REAL(realloc); count(n); return real(p, n); }
+int posix_memalign(void** p, size_t a, size_t n) {
+  REAL(posix_memalign); count(n); return real(p, a, n);
+}
+void* aligned_alloc(size_t a, size_t n) { REAL(aligned_alloc); count(n); return real(a, n); }
+"""
+
+SCRIPT = textwrap.dedent("""
+    import ctypes, sys
+    import torch
+    import paged_ops
+    sys.path.insert(0, {tests!r})
+    from helpers import make_paged, query_start_loc, random_query
+
+    counter = ctypes.c_long.in_dll(ctypes.CDLL(None), "paged_big_allocs")
+    paged_ops.set_cpu_kernel_variant({variant!r})
+    torch.set_num_threads(2)
+    for dtype, lens, q_lens in [
+        (torch.float32, [2048, 5], None),                # split-K (few sequences, long)
+        (torch.bfloat16, [64] * 9 + [63], None),          # many short sequences
+        (torch.float32, [700, 33], [17, 1]),              # several query tokens per sequence
+    ]:
+        pg = make_paged(lens, 2, 64, 16, dtype)
+        n = sum(q_lens) if q_lens else len(lens)
+        q = random_query(n, 8, 64, dtype)
+        out = torch.empty_like(q)
+        qsl = query_start_loc(q_lens) if q_lens else None
+        def call():
+            torch.ops.paged.attention_out(out, q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                          pg.seq_lens, 0.125, None, -1, 0.0, None, None, None,
+                                          qsl)
+        for _ in range(3):
+            call()
+        before = counter.value
+        for _ in range(10):
+            call()
+        print(dtype, lens, q_lens, counter.value - before)
+        assert counter.value == before, f"{{counter.value - before}} allocations in 10 calls"
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or shutil.which("gcc") is None,
+                    reason="needs Linux and gcc for the LD_PRELOAD counter")
+@pytest.mark.parametrize("variant", paged_ops.supported_cpu_kernel_variants())
+def test_attention_allocates_nothing_per_call(variant, tmp_path):
+    src = tmp_path / "count_allocs.c"
+    src.write_text(COUNTER)
+    lib = tmp_path / "count_allocs.so"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", str(src), "-o", str(lib),
+                    "-ldl"], check=True)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, LD_PRELOAD=str(lib))
+    res = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests, variant=variant)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout + res.stderr
