@@ -1,13 +1,15 @@
-"""The CPU attention kernel allocates nothing per call once warm (issue 5: "no allocation per
-call in the hot path"): split-K states, plans and scratch are reused from call to call.
+"""The CPU attention and reshape_and_cache kernels allocate nothing per call once warm (issue 5:
+"no allocation per call in the hot path"): split-K states, plans, runs and scratch are reused
+from call to call.
 
-A subprocess runs paged::attention_out with LD_PRELOAD of a small library that counts the
-calls of malloc / calloc / realloc / posix_memalign / aligned_alloc of 4 KiB or more (torch's
-Python binding makes two small ones per op call; every buffer of the kernel that matters is
-larger) and checks the count does not grow over repeated calls: decode with and without
-split-K, fp32 / bf16 / fp8 caches, and several query tokens per sequence. glibc serves such
-blocks with mmap past its threshold, so on many-core machines (split-K states of MiBs) every
-call would otherwise fault in fresh pages.
+A subprocess runs paged::attention_out and paged::reshape_and_cache with LD_PRELOAD of a small
+library that counts the calls of malloc / calloc / realloc / posix_memalign / aligned_alloc of
+4 KiB or more (torch's Python binding makes two small ones per op call; every buffer of the
+kernels that matters is larger) and checks that the count does not grow over repeated calls:
+decode with and without split-K, fp32 / bf16 caches, several query tokens per sequence; cache
+writes for decode and prefill, plain and fp8. glibc serves such blocks with mmap past its
+threshold, so on many-core machines (split-K states of MiBs) every call would otherwise fault
+in fresh pages.
 """
 
 import os
@@ -71,6 +73,32 @@ SCRIPT = textwrap.dedent("""
             call()
         print(dtype, lens, q_lens, counter.value - before)
         assert counter.value == before, f"{{counter.value - before}} allocations in 10 calls"
+    # reshape_and_cache: decode (one token per scattered block) and a prefill chunk, plain and
+    # fp8 (quantised through a per-thread tile).
+    for in_dtype, cache_dtype, ntok, prefill in [
+        (torch.float32, torch.float32, 256, False),
+        (torch.bfloat16, torch.bfloat16, 512, True),
+        (torch.bfloat16, torch.float8_e4m3fn, 256, False),
+        (torch.float16, torch.float8_e5m2, 512, True),
+    ]:
+        nb = ntok + 8
+        kc, vc = paged_ops.allocate_kv_cache(nb, 2, 64, 16, cache_dtype)
+        k = torch.randn(ntok, 2, 64).to(in_dtype)
+        v = torch.randn(ntok, 2, 64).to(in_dtype)
+        blocks = torch.randperm(nb)
+        slots = (blocks[: ntok // 16].repeat_interleave(16) * 16 + torch.arange(ntok) % 16
+                 if prefill else blocks[:ntok] * 16 + torch.arange(ntok) % 16)
+        scales = (torch.tensor([0.05]), torch.tensor([0.04])) if kc.element_size() == 1 else (
+            None, None)
+        def write():
+            torch.ops.paged.reshape_and_cache(k, v, kc, vc, slots, *scales)
+        for _ in range(3):
+            write()
+        before = counter.value
+        for _ in range(10):
+            write()
+        print(cache_dtype, ntok, prefill, counter.value - before)
+        assert counter.value == before, f"{{counter.value - before}} allocations in 10 calls"
     print("ok")
 """)
 
@@ -78,7 +106,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(sys.platform != "linux" or shutil.which("gcc") is None,
                     reason="needs Linux and gcc for the LD_PRELOAD counter")
 @pytest.mark.parametrize("variant", paged_ops.supported_cpu_kernel_variants())
-def test_attention_allocates_nothing_per_call(variant, tmp_path):
+def test_cpu_kernels_allocate_nothing_per_call(variant, tmp_path):
     src = tmp_path / "count_allocs.c"
     src.write_text(COUNTER)
     lib = tmp_path / "count_allocs.so"

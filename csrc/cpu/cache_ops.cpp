@@ -70,8 +70,11 @@ struct Run {
   int64_t len;    // tokens (and slots) in the run
 };
 
-std::vector<Run> find_runs(const int64_t* slots, int64_t num_tokens, int64_t block_size) {
-  std::vector<Run> runs;
+// The runs of a call, in a vector of the calling thread that keeps its capacity from call to
+// call (no allocation per call once warm; tests/test_no_alloc.py).
+const std::vector<Run>& find_runs(const int64_t* slots, int64_t num_tokens, int64_t block_size) {
+  static thread_local std::vector<Run> runs;
+  runs.clear();
   for (int64_t i = 0; i < num_tokens; ++i) {
     const int64_t s = slots[i];
     if (s < 0) continue;  // padding
@@ -396,7 +399,8 @@ void write_fp8(const at::Tensor& key, const at::Tensor& value, const Dst& g,
   const QuantizeFn quantize = pick_quantize<F, In>();
   constexpr int64_t kTile = 16;  // tokens quantised at a time (one 16 x 16 byte transpose)
   at::parallel_for(0, items, item_grain(runs, D), [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> buf(2 * kTile * D);
+    static thread_local std::vector<uint8_t> buf;  // kept from call to call
+    if (static_cast<int64_t>(buf.size()) < 2 * kTile * D) buf.resize(2 * kTile * D);
     uint8_t* kb = buf.data();
     uint8_t* vb = kb + kTile * D;
     for (int64_t w = begin; w < end; ++w) {
@@ -441,7 +445,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   if (d.num_tokens == 0) return;
   // Gather the slots once (slot_mapping may be strided).
   const at::Tensor slots = slot_mapping.contiguous();
-  const std::vector<Run> runs =
+  const std::vector<Run>& runs =
       find_runs(slots.const_data_ptr<int64_t>(), d.num_tokens, d.cache.block_size);
   if (runs.empty()) return;
   const Dst g{static_cast<char*>(key_cache.data_ptr()),
