@@ -52,6 +52,16 @@ SCRIPT = textwrap.dedent("""
     counter = ctypes.c_long.in_dll(ctypes.CDLL(None), "paged_big_allocs")
     paged_ops.set_cpu_kernel_variant({variant!r})
     torch.set_num_threads(2)
+
+    def check(call, *what):
+        for _ in range(3):  # warm: buffers grow to the shapes
+            call()
+        before = counter.value
+        for _ in range(10):
+            call()
+        print(*what, counter.value - before)
+        assert counter.value == before, f"{{counter.value - before}} allocations in 10 calls"
+
     for dtype, lens, q_lens in [
         (torch.float32, [2048, 5], None),                # split-K (few sequences, long)
         (torch.bfloat16, [64] * 9 + [63], None),          # many short sequences
@@ -66,13 +76,7 @@ SCRIPT = textwrap.dedent("""
             torch.ops.paged.attention_out(out, q, pg.key_cache, pg.value_cache, pg.block_tables,
                                           pg.seq_lens, 0.125, None, -1, 0.0, None, None, None,
                                           qsl)
-        for _ in range(3):
-            call()
-        before = counter.value
-        for _ in range(10):
-            call()
-        print(dtype, lens, q_lens, counter.value - before)
-        assert counter.value == before, f"{{counter.value - before}} allocations in 10 calls"
+        check(call, dtype, lens, q_lens)
     # reshape_and_cache: decode (one token per scattered block) and a prefill chunk, plain and
     # fp8 (quantised through a per-thread tile).
     for in_dtype, cache_dtype, ntok, prefill in [
@@ -92,13 +96,7 @@ SCRIPT = textwrap.dedent("""
             None, None)
         def write():
             torch.ops.paged.reshape_and_cache(k, v, kc, vc, slots, *scales)
-        for _ in range(3):
-            write()
-        before = counter.value
-        for _ in range(10):
-            write()
-        print(cache_dtype, ntok, prefill, counter.value - before)
-        assert counter.value == before, f"{{counter.value - before}} allocations in 10 calls"
+        check(write, cache_dtype, ntok, prefill)
     print("ok")
 """)
 
