@@ -481,14 +481,14 @@ inline void store_lane_sums(const VecF* a, float* out) {
 
 // p . v without horizontal sums: acc[r][d] is a W-lane vector whose lanes hold sum_t p[r][t] *
 // v[d][t] over the offsets t = lane (mod W), summed across lanes once per work item (in
-// registers by the item's last group; reduce_acc otherwise) instead of once per block. For the nb [D][bs] V blocks of a group, bs == NV * W:
-// the accumulators of a tile of RT query rows stay in registers across the group (one load and
-// store per group), each V row is loaded (and converted) once for the tile, and the
-// probabilities p[r][k * BP + t] are FMA memory operands. next[k]: the blocks to prefetch.
-// init: start from zero rather than from acc (an item's first group). out (an item's last
-// group): the lanes are summed in registers into out[r * out_stride + d] instead of stored to
-// acc (reduce_acc's work, without writing and re-reading acc: an item of one group never
-// touches acc at all).
+// registers by the item's last group; reduce_acc otherwise) instead of once per block. For
+// the nb [D][bs] V blocks of a group, bs == NV * W: the accumulators of a tile of RT query
+// rows stay in registers across the group (one load and store per group), each V row is
+// loaded (and converted) once for the tile, and the probabilities p[r][k * BP + t] are FMA
+// memory operands. next[k]: the blocks to prefetch. init: start from zero rather than from
+// acc (an item's first group). out (an item's last group): the lanes are summed in registers
+// into out[r * out_stride + d] instead of stored to acc (reduce_acc's work, without writing
+// and re-reading acc: an item of one group never touches acc at all).
 // NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb blocks.
 template <int NV, int RT, int NB, typename VT, typename NT>
 inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int64_t p_stride,
