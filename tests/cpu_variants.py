@@ -59,8 +59,10 @@ def _command(shim, src, so):
     # CPU_CAPABILITY names ATen's inline vector namespace: LANES16 keeps these instantiations
     # apart from the 8-lane DEFAULT ones in _C and libtorch. No CPU_CAPABILITY_<X> macro: the
     # portable paths, as in the default build.
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # as torch was built (c10 symbols are used)
     return ["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-fopenmp", "-fvisibility=hidden",
-            "-DCPU_CAPABILITY=LANES16", *includes, src, "-o", so, *libdirs, "-lc10",
+            "-DCPU_CAPABILITY=LANES16", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, src,
+            "-o", so, *libdirs, "-lc10",
             "-ltorch_cpu", *[f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]]
 
 
@@ -78,6 +80,9 @@ def _lanes16_library():
         return None, f"{vec_base} no longer has the 32-byte width block the lanes16 build edits"
     digest = hashlib.sha256(text.encode())
     digest.update(torch.__version__.encode() + sysconfig.get_paths()["include"].encode())
+    # The build command and source (this file): a change to them must not reuse a stale build.
+    with open(__file__, "rb") as fh:
+        digest.update(fh.read())
     for folder in (CSRC, os.path.join(CSRC, "cpu")):
         for name in sorted(os.listdir(folder)):
             if name.endswith(".h"):
