@@ -57,16 +57,13 @@ EDITS = [
      "      if (XW == W) {\n        qk(",
      "      if (!PHASE_QK) {\n      } else if (XW == W) {\n        qk("),
     ("skip softmax",
-     "      softmax_step(S.p.data()",
-     "      if (PHASE_SM) softmax_step(S.p.data()"),
+     "      S.alpha[hl * R + r] = softmax_step(",
+     "      if (PHASE_SM) S.alpha[hl * R + r] = softmax_step("),
     ("skip p.v", "          w.pv(hl, nb,", "          if (PHASE_PV) w.pv(hl, nb,"),
-    # Without p.v the accumulators must still start at 0 (garbage could be denormal: slow).
-    ("zero the accumulators without p.v",
-     "    if (!Lt.fast_pv || it.b_first > it.b_last)",
-     "    if (!PHASE_PV || !Lt.fast_pv || it.b_first > it.b_last)"),
-    # p.v sums the accumulators' lanes on an item's last group: without p.v, skip that sum in
-    # finish too, so that it counts in p.v's time, not in the rest.
-    ("no lane sums without p.v", "      if (!reduced) {", "      if (!reduced && PHASE_PV) {"),
+    # Without p.v the sums of p * v must still start at 0 (garbage could be denormal: slow).
+    ("zero the sums without p.v",
+     "    else if (it.b_first > it.b_last)",
+     "    else if (!PHASE_PV || it.b_first > it.b_last)"),
 ]
 
 # name -> (PHASE_ARITH, PHASE_QK, PHASE_SM, PHASE_PV)

@@ -190,8 +190,10 @@ struct Scratch {
   std::vector<float> qrep;   // [HR][D/x][XW]: q chunk c (pre-scaled) repeated to XW lanes
   std::vector<float> raw;    // [R][KP] per-lane partial q.k sums of one block (t * x + i)
   std::vector<float> p;      // [R][kGroup * BP] logits, then probabilities of a group of blocks
-  std::vector<float> acc;    // [HR][D][W] running sum of p * v, lanes not yet summed (pv_group)
-  std::vector<float> o;      // [HR][D] acc with its lanes summed, at the end of an item
+  std::vector<float> acc;    // [HR][D][W] running sum of p * v, lanes not yet summed (lane_acc)
+  std::vector<float> ot;     // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
+  std::vector<float> alpha;  // [HR] the group's rescale factor of each row's sum (softmax_step)
+  std::vector<float> o;      // [HR][D] the sum of p * v in rows, at the end of an item
   std::vector<float> qf;     // [D] one query row in fp32, pre-scaled (to fill qrep)
   std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
   std::vector<uint8_t> vraw;  // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
@@ -462,38 +464,61 @@ inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z)
   }
 }
 
-// out[u] = sum of the lanes of a[u], u < N: an item's p.v result leaving pv_group.
-template <int N>
-inline void store_lane_sums(const VecF* a, float* out) {
+// The tile of p.v sums of pv_group, RT rows x DT consecutive d, into the running sums of its
+// rows: o[u * RT + r] = o[u * RT + r] * alpha[r] + (sum of the lanes of a[r][u]), or = the
+// lane sum on an item's first group (init: o may hold anything). o is tile-major ([D][RT]
+// for the tile's rows), so the DT * RT sums of a step are contiguous; finish turns the tiles
+// back into rows (rows_from_tiles).
+template <int RT, int DT>
+inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, bool init) {
 #if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (N == 2 || N == 3) {  // one hadd tree for the N vectors
-    const __m256 t01 = _mm256_hadd_ps(a[0], a[1]);
-    const __m256 t2 = N == 3 ? _mm256_hadd_ps(a[2], a[2]) : t01;
-    const __m256 u = _mm256_hadd_ps(t01, t2);  // [s0 s1 s2 s2 | s0 s1 s2 s2] (low / high lanes)
-    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
-    _mm_storel_pi(reinterpret_cast<__m64*>(out), v);
-    if constexpr (N == 3) _mm_store_ss(out + 2, _mm_movehl_ps(v, v));
+  if constexpr (RT == 4) {
+    static_assert(DT >= 1 && DT <= 3);
+    if constexpr (DT >= 2) {  // 8 sums [r0..r3 of d, r0..r3 of d + 1]
+      const VecF r[8] = {a[0][0], a[1][0], a[2][0], a[3][0], a[0][1], a[1][1], a[2][1], a[3][1]};
+      const __m256 sum = reduce_rows(r);
+      const __m128 al = _mm_loadu_ps(alpha);
+      _mm256_storeu_ps(o, init ? sum
+                               : _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set_m128(al, al), sum));
+    }
+    if constexpr (DT != 2) {  // 4 sums [r0..r3 of the last d]
+      constexpr int u = DT - 1;
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0][u], a[1][u]),
+                                      _mm256_hadd_ps(a[2][u], a[3][u]));
+      const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      float* ou = o + u * 4;
+      _mm_storeu_ps(ou, init ? sum : _mm_fmadd_ps(_mm_loadu_ps(ou), _mm_loadu_ps(alpha), sum));
+    }
     return;
   }
 #endif
-  for (int u = 0; u < N; ++u) out[u] = hsum(a[u]);
+  for (int u = 0; u < DT; ++u)
+    for (int r = 0; r < RT; ++r) {
+      const float sum = hsum(a[r][u]);
+      o[u * RT + r] = init ? sum : o[u * RT + r] * alpha[r] + sum;
+    }
 }
 
-// p . v without horizontal sums: acc[r][d] is a W-lane vector whose lanes hold sum_t p[r][t] *
-// v[d][t] over the offsets t = lane (mod W), summed across lanes once per work item (in
-// registers by the item's last group; reduce_acc otherwise) instead of once per block. For
-// the nb [D][bs] V blocks of a group, bs == NV * W: the accumulators of a tile of RT query
-// rows stay in registers across the group (one load and store per group), each V row is
-// loaded (and converted) once for the tile, and the probabilities p[r][k * BP + t] are FMA
-// memory operands. next[k]: the blocks to prefetch. init: start from zero rather than from
-// acc (an item's first group). out (an item's last group): the lanes are summed in registers
-// into out[r * out_stride + d] instead of stored to acc (reduce_acc's work, without writing
-// and re-reading acc: an item of one group never touches acc at all).
-// NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb blocks.
+// p . v of a group of blocks for a tile of RT query rows: the [D][bs] V blocks (bs == NV * W)
+// are read in steps of DT rows d; each lane of an accumulator a[r][u] sums p[r][t] * v[d + u][t]
+// over the offsets t = lane (mod W) of every block of the group, in registers (one V row load
+// and conversion feeds the RT rows of the tile; the probabilities p[r][k * BP + t] are
+// loaded once per step and row). Where to then:
+// - NV >= 2: the lanes are summed once per group into the rows' running sums o (tile_sums,
+//   which also applies the softmax rescale alpha). The running sums are D floats per row;
+//   per-lane accumulators kept across groups were D * W, and their loads and stores from L2
+//   cost p.v 12% (a microbenchmark with 8 kv heads; the AVX2 kernel: 3-7% for fp32, fp16
+//   and bf16, fp8 1-4% slower).
+// - NV == 1 (lane_acc): the sums would cost about as much as the group's FMAs, so the
+//   accumulators are kept across groups in acc (W lanes per d, rescaled by softmax_step) and
+//   summed into o only on the item's last group (last; an item of one group never touches acc).
+// next[k]: the blocks to prefetch. init: an item's first group (o and acc are written, not
+// read). NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb.
 template <int NV, int RT, int NB, typename VT, typename NT>
 inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int64_t p_stride,
-                     float* acc, int64_t acc_stride, int64_t D, const NT* const* next_in,
-                     int64_t vrow_bytes, bool init, float* out, int64_t out_stride) {
+                     float* o, const float* alpha, float* acc, int64_t acc_stride, int64_t D,
+                     const NT* const* next_in, int64_t vrow_bytes, bool init, bool last) {
+  constexpr bool lane_acc = NV == 1;
   constexpr int64_t BPv = NV * W;
   constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
   const int64_t nb = NB > 0 ? NB : nb_in;
@@ -513,7 +538,7 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
     VecF a[RT][DTc];
     for (int r = 0; r < RT; ++r)
       for (int u = 0; u < DTc; ++u)
-        a[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d + u) * W);
+        a[r][u] = !lane_acc || init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d + u) * W);
 #pragma GCC unroll 4
     for (int64_t k = 0; k < nb; ++k) {
       // The same rows of the next block (a row is at most a line).
@@ -535,8 +560,8 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
         }
       }
     }
-    if (out != nullptr) {
-      for (int r = 0; r < RT; ++r) store_lane_sums<DTc>(a[r], out + r * out_stride + d);
+    if (!lane_acc || last) {
+      tile_sums<RT, DTc>(a, o + d * RT, alpha, lane_acc || init);
       return;
     }
     for (int r = 0; r < RT; ++r)
@@ -547,24 +572,40 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
   for (; d < D; ++d) step(d, std::integral_constant<int, 1>{});
 }
 
+// Rows [0, R) of o (row-major, D each) from the running sums ot of pv_group: tiles of 4 rows
+// ([D][4]), then single rows.
+inline void rows_from_tiles(const float* ot, int64_t R, int64_t D, float* o) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4, ot += 4 * D)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < 4; ++i) o[(r + i) * D + d] = ot[d * 4 + i];
+  std::copy(ot, ot + (R - r) * D, o + r * D);
+}
+
 // Online-softmax step of one row over a group's logits pr[0, n): pr becomes e^(z - m_new)
-// (0 where z = -inf, and all 0 when the row sees none of the group); the running max m,
-// normalizer l and the row's p.v accumulators acc[0, acc_len) are rescaled when m grows.
-inline void softmax_step(float* pr, int64_t n, float& m, float& l, float* acc, int64_t acc_len) {
+// (0 where z = -inf, and all 0 when the row sees none of the group). Returns the factor
+// e^(m - m_new) by which the running max m's growth rescales the normalizer l (done here) and
+// the row's sum of p * v (done here when acc is given: acc[0, acc_len); pv_group does it
+// otherwise); 1 when m does not grow or nothing was seen before.
+inline float softmax_step(float* pr, int64_t n, float& m, float& l, float* acc,
+                          int64_t acc_len) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   VecF vmax(neg_inf);
   for (int64_t j = 0; j < n; j += W) vmax = at::vec::maximum(vmax, VecF::loadu(pr + j));
   const float bmax = hmax(vmax);
   if (bmax == neg_inf) {  // the row sees none of the group
     std::fill(pr, pr + n, 0.f);
-    return;
+    return 1.f;
   }
   const float m_new = std::max(m, bmax);
+  float a = 1.f;
   if (m_new > m && m != neg_inf) {
-    const float a = std::exp(m - m_new);
-    const VecF alpha(a);
+    a = std::exp(m - m_new);
     l *= a;
-    for (int64_t j = 0; j < acc_len; j += W) (VecF::loadu(acc + j) * alpha).store(acc + j);
+    if (acc != nullptr) {
+      const VecF alpha(a);
+      for (int64_t j = 0; j < acc_len; j += W) (VecF::loadu(acc + j) * alpha).store(acc + j);
+    }
   }
   m = m_new;
   VecF sum(0.f);
@@ -575,6 +616,7 @@ inline void softmax_step(float* pr, int64_t n, float& m, float& l, float* acc, i
     sum = sum + e;
   }
   l += hsum(sum);
+  return a;
 }
 
 // Any block size: a [D][bs] fp32 V block, one row at a time, vectors over t (zero-filled tail).
@@ -807,6 +849,7 @@ struct Layout {
   int64_t x_sum;  // raw lanes per token
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
+  bool lane_acc;  // the p.v sums live in acc between groups (pv_row_any, or pv_group NV == 1)
   int64_t qk_iters;      // chunk iterations of one qk_tile call
   bool plain_logits;  // no soft cap, no ALiBi
   // (q . s_k k) scale = s_k scale (q . k); fp8_unit: see fp8_unit().
@@ -825,6 +868,7 @@ struct Layout {
     x_sum = XW == 2 * W ? x / 2 : x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
+    lane_acc = !fast_pv || NV == 1;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
     qk_iters = qk_tile_iterations(chunk_elems, num_chunks, XW);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
@@ -856,7 +900,6 @@ struct ItemWorker {
   const CT* const vc;
   ItemInfo it{};
   int64_t R = 0;  // query rows of one kv head of the item
-  bool reduced = false;  // pv summed the accumulators' lanes into o (the item's last group)
 
   ItemWorker(const AttentionParams& P_, const Layout<CT>& Lt_, const Plan& plan_, Scratch& S_)
       : P(P_), Lt(Lt_), plan(plan_), S(S_), kc(static_cast<const CT*>(P_.key_cache)),
@@ -866,7 +909,9 @@ struct ItemWorker {
     grow(S.qrep, HR_max * Lt.num_chunks * Lt.XW);
     grow(S.raw, R_max * Lt.KP);
     grow(S.p, R_max * Lt.PG);
-    grow(S.acc, HR_max * Lt.AS);
+    if (Lt.lane_acc) grow(S.acc, HR_max * Lt.AS);
+    grow(S.ot, HR_max * Lt.D);
+    grow(S.alpha, HR_max);
     grow(S.o, HR_max * Lt.D);
     grow(S.qf, Lt.D);
     grow(S.vtmp, kGroup * Lt.D * Lt.bs);
@@ -924,7 +969,6 @@ struct ItemWorker {
   // across lanes for q.k), running max and normalizer.
   void start(const ItemInfo& info) {
     it = info;
-    reduced = false;
     const int64_t G = Lt.G, D = Lt.D, XW = Lt.XW, num_chunks = Lt.num_chunks;
     R = (it.j1 - it.j0) * G;
     for (int64_t r = 0; r < R; ++r) {
@@ -946,10 +990,12 @@ struct ItemWorker {
       S.m[hr] = -std::numeric_limits<float>::infinity();
       S.l[hr] = 0.f;
     }
-    // pv_group starts the accumulators itself on the first group (init); pv_row_any adds,
-    // and an item without blocks (empty split, seq_len 0) still reduces them.
-    if (!Lt.fast_pv || it.b_first > it.b_last)
+    // pv_group starts its sums itself on the first group (init); pv_row_any adds, and an
+    // item without blocks (empty split, seq_len 0) still turns its sums into rows.
+    if (!Lt.fast_pv)
       std::fill(S.acc.begin(), S.acc.begin() + it.nh * R * Lt.AS, 0.f);
+    else if (it.b_first > it.b_last)
+      std::fill(S.ot.begin(), S.ot.begin() + it.nh * R * D, 0.f);
   }
 
   // Visible offsets of the group's blocks [b0, b0 + nb) for the item's rows together.
@@ -1048,12 +1094,14 @@ struct ItemWorker {
     const int64_t vrow_bytes = Lt.bs * static_cast<int64_t>(sizeof(CT));
     const int64_t vpf_end = std::min<int64_t>(R * 8, kGroup * Lt.D);
     const int64_t n = nb * Lt.BP;
-    float* const acc_h = S.acc.data() + hl * R * Lt.AS;
+    // Accumulators in acc are rescaled here; pv_group's running sums o by pv_group (alpha).
+    float* const acc_h = Lt.lane_acc ? S.acc.data() + hl * R * Lt.AS : nullptr;
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
         prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % kGroup]) + i / kGroup * vrow_bytes);
-      softmax_step(S.p.data() + r * Lt.PG, n, S.m[hl * R + r], S.l[hl * R + r],
-                   acc_h + r * Lt.AS, Lt.D * W);
+      S.alpha[hl * R + r] = softmax_step(S.p.data() + r * Lt.PG, n, S.m[hl * R + r],
+                                         S.l[hl * R + r], acc_h ? acc_h + r * Lt.AS : nullptr,
+                                         Lt.D * W);
     }
   }
 
@@ -1065,9 +1113,7 @@ struct ItemWorker {
   // 13-25% slower.)
   void pv(int64_t hl, int64_t nb, bool first, bool last, const GroupBlocks<CT>& g) {
     const int64_t D = Lt.D, bs = Lt.bs, PG = Lt.PG, AS = Lt.AS;
-    float* const acc_h = S.acc.data() + hl * R * AS;
-    // The item's last group sums the lanes into o itself (finish then skips reduce_acc).
-    float* const o_h = last ? S.o.data() + hl * R * D : nullptr;
+    float* const acc_h = Lt.lane_acc ? S.acc.data() + hl * R * AS : nullptr;
     const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
     auto vcopy = [&]() {
       for (int64_t k = 0; k < nb; ++k)
@@ -1084,20 +1130,21 @@ struct ItemWorker {
     auto run = [&](auto nv, auto src) {
       constexpr int NVc = decltype(nv)::value;
       const float* pp = S.p.data();
+      float* const ot = S.ot.data() + hl * R * D;  // tiles of 4 rows, then single rows
+      const float* const al = S.alpha.data() + hl * R;
       int64_t r2 = 0;
-      auto o = [&](int64_t r) { return o_h ? o_h + r * D : nullptr; };
+      auto acc = [&](int64_t r) { return acc_h ? acc_h + r * AS : nullptr; };
       if (nb == kGroup) {
         for (; r2 + 4 <= R; r2 += 4)
-          pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
-                                   vrow_bytes, first, o(r2), D);
+          pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS,
+                                   D, g.v_next, vrow_bytes, first, last);
       }
       for (; r2 + 4 <= R; r2 += 4)
-        pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
-                            vrow_bytes, first, o(r2), D);
+        pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS, D,
+                            g.v_next, vrow_bytes, first, last);
       for (; r2 < R; ++r2)
-        pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, acc_h + r2 * AS, AS, D, g.v_next,
-                            vrow_bytes, first, o(r2), D);
-      reduced = last;
+        pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS, D,
+                            g.v_next, vrow_bytes, first, last);
     };
     auto dispatch = [&](auto src) {
       if (Lt.NV == 1) run(std::integral_constant<int, 1>{}, src);
@@ -1125,8 +1172,9 @@ struct ItemWorker {
     }
   }
 
-  // Ends the item: the lanes of the accumulators summed, then each row normalised into the
-  // output, or (split) its unnormalised state stored for merge_splits.
+  // Ends the item: the sums of p * v in rows (from pv_group's tiles, or pv_row_any's
+  // accumulators with their lanes summed), then each row normalised into the output, or
+  // (split) its unnormalised state stored for merge_splits.
   void finish(float* part_ml, float* part_o) {
     const int64_t G = Lt.G, D = Lt.D;
     const bool multi = P.query_start_loc != nullptr;
@@ -1134,7 +1182,9 @@ struct ItemWorker {
     for (int64_t hl = 0; hl < it.nh; ++hl) {
       const int64_t kvh = it.kvh + hl;
       float* const o_h = S.o.data() + hl * R * D;
-      if (!reduced) {
+      if (Lt.fast_pv) {
+        rows_from_tiles(S.ot.data() + hl * R * D, R, D, o_h);
+      } else {
         for (int64_t r = 0; r < R; ++r)
           reduce_acc(S.acc.data() + (hl * R + r) * Lt.AS, o_h + r * D, D);
       }
