@@ -84,6 +84,7 @@ def main(argv=None):
     p.add_argument("--dtypes", default="fp32,fp16,bf16")
     p.add_argument("--shapes", default="8x2048,32x512", help="BATCHxCONTEXT,...")
     p.add_argument("--heads", default="32,8", help="query heads,kv heads")
+    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=12, help="rounds (medians reported)")
     p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "paged_ops_ab"))
@@ -99,7 +100,7 @@ def main(argv=None):
     tables = [(rev, tab) for rev, (_, tab) in zip(args.revs, libs)]
 
     H, Hkv = map(int, args.heads.split(","))
-    D, bs = 128, 16
+    D, bs = 128, args.block_size
     cases = []
     for shape in args.shapes.split(","):
         B, L = map(int, shape.split("x"))

@@ -504,21 +504,24 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // over the offsets t = lane (mod W) of every block of the group, in registers (one V row load
 // and conversion feeds the RT rows of the tile; the probabilities p[r][k * BP + t] are
 // loaded once per step and row). Where to then:
-// - NV >= 2: the lanes are summed once per group into the rows' running sums o (tile_sums,
+// - 8 lanes (AVX2, portable): the lanes are summed once per group into the rows' running sums o (tile_sums,
 //   which also applies the softmax rescale alpha). The running sums are D floats per row;
 //   per-lane accumulators kept across groups were D * W, and their loads and stores from L2
-//   cost p.v 12% (a microbenchmark with 8 kv heads; the AVX2 kernel: 3-7% for fp32, fp16
-//   and bf16, fp8 1-4% slower).
-// - NV == 1 (lane_acc): the sums would cost about as much as the group's FMAs, so the
-//   accumulators are kept across groups in acc (W lanes per d, rescaled by softmax_step) and
-//   summed into o only on the item's last group (last; an item of one group never touches acc).
+//   cost p.v 12% (a microbenchmark with 8 kv heads). The AVX2 kernel gained 3-7% (fp32, fp16,
+//   bf16; fp8 1-4% slower) at block size 16, 6-16% at 8 and 10-28% at 32.
+// - 16 lanes (kLaneAcc): the accumulators are kept across groups in acc (W lanes per d,
+//   rescaled by softmax_step) and summed into o only on the item's last group (last; an item
+//   of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only; with 16
+//   it would sum each accumulator on its own, 8 per 32 FMAs at block size 16, and there is
+//   no AVX-512 CPU here to measure either on, so the 16-lane builds keep what they had.
 // next[k]: the blocks to prefetch. init: an item's first group (o and acc are written, not
 // read). NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb.
+constexpr bool kLaneAcc = W == 16;
 template <int NV, int RT, int NB, typename VT, typename NT>
 inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int64_t p_stride,
                      float* o, const float* alpha, float* acc, int64_t acc_stride, int64_t D,
                      const NT* const* next_in, int64_t vrow_bytes, bool init, bool last) {
-  constexpr bool lane_acc = NV == 1;
+  constexpr bool lane_acc = kLaneAcc;
   constexpr int64_t BPv = NV * W;
   constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
   const int64_t nb = NB > 0 ? NB : nb_in;
@@ -849,7 +852,7 @@ struct Layout {
   int64_t x_sum;  // raw lanes per token
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
-  bool lane_acc;  // the p.v sums live in acc between groups (pv_row_any, or pv_group NV == 1)
+  bool lane_acc;  // the p.v sums live in acc between groups (pv_row_any, or kLaneAcc)
   int64_t qk_iters;      // chunk iterations of one qk_tile call
   bool plain_logits;  // no soft cap, no ALiBi
   // (q . s_k k) scale = s_k scale (q . k); fp8_unit: see fp8_unit().
@@ -868,7 +871,7 @@ struct Layout {
     x_sum = XW == 2 * W ? x / 2 : x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
-    lane_acc = !fast_pv || NV == 1;
+    lane_acc = !fast_pv || kLaneAcc;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
     qk_iters = qk_tile_iterations(chunk_elems, num_chunks, XW);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
