@@ -491,6 +491,16 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
     }
     return;
   }
+  if constexpr (RT == 1 && DT >= 2) {  // one hadd tree for the DT <= 3 vectors of the row
+    static_assert(DT <= 3);
+    const __m256 t01 = _mm256_hadd_ps(a[0][0], a[0][1]);
+    const __m256 t2 = DT == 3 ? _mm256_hadd_ps(a[0][DT - 1], a[0][DT - 1]) : t01;
+    const __m256 h = _mm256_hadd_ps(t01, t2);  // [s0 s1 s2 s2 | s0 s1 s2 s2] (low / high lanes)
+    float sum[4];
+    _mm_storeu_ps(sum, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    for (int u = 0; u < DT; ++u) o[u] = init ? sum[u] : o[u] * alpha[0] + sum[u];
+    return;
+  }
 #endif
   for (int u = 0; u < DT; ++u)
     for (int r = 0; r < RT; ++r) {
