@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import TOL, make_paged, random_query
+from helpers import TOL, make_paged, random_query, write_dense
 
 import paged_ops
 from paged_ops import reference as ref
@@ -52,6 +52,31 @@ def test_long_context(dtype):
     lens = [1500, 2049, 17]
     pg = make_paged(lens, 2, 128, 16, dtype, seed=5)
     q = random_query(len(lens), 8, 128, dtype, scale=3.0)
+    check(pg, q, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("shape", ["rising", "falling", "sawtooth"])
+def test_running_max_across_groups(dtype, block_size, shape):
+    # Keys along the query's direction with logits rising (the running max grows on every
+    # group: each group rescales the sums so far), falling (never: the first block holds the
+    # max) or in a sawtooth (both, in turn), so the online-softmax rescale is checked on every
+    # kind of step, not only where random logits happen to set a new max.
+    lens = [301, 1000]
+    H, Hkv, D = 8, 2, 128
+    pg = make_paged(lens, Hkv, D, block_size, dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    u = torch.randn(D, generator=g)
+    u = u / u.norm()
+    q = (u * D**0.5 + 0.05 * torch.randn(len(lens), H, D, generator=g)).to(dtype)
+    for s, L in enumerate(lens):
+        t = torch.arange(L, dtype=torch.float32)
+        a = {"rising": 0.05 * t, "falling": 0.05 * (L - t), "sawtooth": 0.2 * (t % 150)}[shape]
+        k = a[:, None, None] * u + 0.05 * torch.randn(L, Hkv, D, generator=g)
+        slots = pg.block_tables[s].long()[t.long() // block_size] * block_size + (
+            t.long() % block_size)
+        write_dense(pg.key_cache, pg.value_cache, slots, k, pg.values[s])
     check(pg, q, dtype)
 
 
