@@ -582,6 +582,12 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
   };
   int64_t d = 0;
   for (; d + DT <= D; d += DT) step(d, std::integral_constant<int, DT>{});
+  if constexpr (DT == 3) {  // head size 128 leaves 2 rows: one step of 2, not 2 of 1
+    if (d + 2 <= D) {
+      step(d, std::integral_constant<int, 2>{});
+      d += 2;
+    }
+  }
   for (; d < D; ++d) step(d, std::integral_constant<int, 1>{});
 }
 
