@@ -514,11 +514,11 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // over the offsets t = lane (mod W) of every block of the group, in registers (one V row load
 // and conversion feeds the RT rows of the tile; the probabilities p[r][k * BP + t] are
 // loaded once per step and row). Where to then:
-// - 8 lanes (AVX2, portable): the lanes are summed once per group into the rows' running sums o (tile_sums,
-//   which also applies the softmax rescale alpha). The running sums are D floats per row;
-//   per-lane accumulators kept across groups were D * W, and their loads and stores from L2
-//   cost p.v 12% (a microbenchmark with 8 kv heads). The AVX2 kernel gained 3-7% (fp32, fp16,
-//   bf16; fp8 1-4% slower) at block size 16, 6-16% at 8 and 10-28% at 32.
+// - 8 lanes (AVX2, portable): the lanes are summed once per group into the rows' running sums
+//   o (tile_sums, which also applies the softmax rescale alpha). The running sums are D floats
+//   per row; per-lane accumulators kept across groups were D * W, and their loads and stores
+//   from L2 cost p.v 12% (a microbenchmark with 8 kv heads). The AVX2 kernel gained 3-7%
+//   (fp32, fp16, bf16; fp8 1-4% slower) at block size 16, 3-11% at 8 and 10-28% at 32.
 // - 16 lanes (kLaneAcc): the accumulators are kept across groups in acc (W lanes per d,
 //   rescaled by softmax_step) and summed into o only on the item's last group (last; an item
 //   of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only; with 16
@@ -531,7 +531,6 @@ template <int NV, int RT, int NB, typename VT, typename NT>
 inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int64_t p_stride,
                      float* o, const float* alpha, float* acc, int64_t acc_stride, int64_t D,
                      const NT* const* next_in, int64_t vrow_bytes, bool init, bool last) {
-  constexpr bool lane_acc = kLaneAcc;
   constexpr int64_t BPv = NV * W;
   constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
   const int64_t nb = NB > 0 ? NB : nb_in;
@@ -551,7 +550,7 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
     VecF a[RT][DTc];
     for (int r = 0; r < RT; ++r)
       for (int u = 0; u < DTc; ++u)
-        a[r][u] = !lane_acc || init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d + u) * W);
+        a[r][u] = !kLaneAcc || init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d + u) * W);
 #pragma GCC unroll 4
     for (int64_t k = 0; k < nb; ++k) {
       // The same rows of the next block (a row is at most a line).
@@ -573,8 +572,8 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
         }
       }
     }
-    if (!lane_acc || last) {
-      tile_sums<RT, DTc>(a, o + d * RT, alpha, lane_acc || init);
+    if (!kLaneAcc || last) {
+      tile_sums<RT, DTc>(a, o + d * RT, alpha, kLaneAcc || init);
       return;
     }
     for (int r = 0; r < RT; ++r)
