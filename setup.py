@@ -1,5 +1,6 @@
 """Build of paged_ops: one extension ``paged_ops._C`` (schemas, CPU kernels, CUDA kernels when
-enabled) plus CPU-capability variants of the hot CPU kernels (``_cpu_avx2``, ``_cpu_avx512``).
+enabled) plus CPU-capability variants of the hot CPU kernels (``_cpu_avx2``, ``_cpu_avx512``,
+``_cpu_avx512_bf16``).
 
 Switches (environment):
   PAGED_OPS_BUILD_CUDA=auto|0|1   auto: CUDA kernels when torch is a CUDA build and nvcc exists.
@@ -53,7 +54,7 @@ def extensions():
     # it silently runs on one thread.
     cxx = [CXX_STD, "-O3", "-fvisibility=hidden", "-fopenmp"]
     link = ["-fopenmp"]
-    # The CPU kernels of _C are the portable (DEFAULT) variant; see csrc/cpu/kernels_variant.h.
+    # The CPU kernels of _C are the portable (DEFAULT) variant; see csrc/cpu/kernels.h.
     define = [("CPU_CAPABILITY", "DEFAULT"), ("CPU_CAPABILITY_DEFAULT", None)]
     sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))
     sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
@@ -90,19 +91,19 @@ def extensions():
     # functions from torch headers instantiated under those flags) can leak into code that runs
     # on a CPU without it. paged_ops/__init__.py loads the best one ATen says the CPU supports.
     if platform.machine().lower() in ("x86_64", "amd64"):
+        avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+        # name: (flags, ATen's capability: which of its vector implementations to use)
         variants = {
-            "avx2": ["-mavx2", "-mfma", "-mf16c"],
-            "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+            "avx2": (["-mavx2", "-mfma", "-mf16c"], "AVX2"),
+            "avx512": (avx512, "AVX512"),
+            "avx512_bf16": (avx512 + ["-mavx512bf16"], "AVX512"),
         }
-        for name, flags in variants.items():
+        for name, (flags, cap) in variants.items():
             exts.append(
                 ce.CppExtension(
                     f"paged_ops._cpu_{name}",
                     [f"csrc/cpu/variant_{name}.cpp"],
-                    define_macros=[
-                        ("CPU_CAPABILITY", name.upper()),
-                        (f"CPU_CAPABILITY_{name.upper()}", None),
-                    ],
+                    define_macros=[("CPU_CAPABILITY", cap), (f"CPU_CAPABILITY_{cap}", None)],
                     extra_compile_args={"cxx": cxx + flags},
                     extra_link_args=link,
                     include_dirs=[os.path.join(ROOT, "csrc")],

@@ -53,17 +53,35 @@ def built_with_cuda() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("paged::attention", "CUDA")
 
 
+_VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16")
+
+
 def cpu_kernel_variant() -> str:
-    """The CPU attention kernel in use: ``"avx512"``, ``"avx2"`` or ``"default"``."""
+    """The CPU attention kernel in use: ``"avx512_bf16"``, ``"avx512"``, ``"avx2"`` or
+    ``"default"``."""
     return _C_LIB.paged_ops_cpu_kernel_name().decode()
+
+
+def _variant_library(name: str) -> str | None:
+    # "_cpu_avx512.<abi tag>.so", not "_cpu_avx512_bf16...": the name ends at the first dot.
+    found = glob.glob(os.path.join(_HERE, f"_cpu_{name}.*so"))
+    return found[0] if found else None
+
+
+def _has_avx512_bf16() -> bool:
+    # ATen's cpuinfo flags; an older torch without them reports no BF16 (the avx512 build runs).
+    get = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    return bool(get is not None and get().get("avx512_bf16", False))
 
 
 def supported_cpu_kernel_variants() -> list[str]:
     """CPU kernel variants this CPU can run (per ATen's capability detection, which honours
     ``ATEN_CPU_CAPABILITY``) and that were built, best first; ``"default"`` is always last."""
     cap = torch.backends.cpu.get_cpu_capability().upper()
-    order = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, [])
-    built = [n for n in order if glob.glob(os.path.join(_HERE, f"_cpu_{n}*.so"))]
+    order = {"AVX512": ["avx512_bf16", "avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, [])
+    if "avx512_bf16" in order and not _has_avx512_bf16():
+        order.remove("avx512_bf16")
+    built = [n for n in order if _variant_library(n)]
     return built + ["default"]
 
 
@@ -71,7 +89,8 @@ def set_cpu_kernel_variant(name: str) -> None:
     """Switch the CPU attention kernel to ``name`` (one of :func:`supported_cpu_kernel_variants`).
 
     Meant for tests and benchmarks; at import the best supported variant is chosen (capped by
-    the environment variable ``PAGED_OPS_CPU_CAPABILITY=default|avx2|avx512`` when set).
+    the environment variable ``PAGED_OPS_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16`` when
+    set).
     """
     if name not in supported_cpu_kernel_variants():
         raise ValueError(f"CPU kernel variant {name!r} is not available here; "
@@ -79,7 +98,7 @@ def set_cpu_kernel_variant(name: str) -> None:
     if name == "default":
         _C_LIB.paged_ops_set_cpu_kernel_table(None)
         return
-    path = glob.glob(os.path.join(_HERE, f"_cpu_{name}*.so"))[0]
+    path = _variant_library(name)
     lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
     lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
     if _C_LIB.paged_ops_set_cpu_kernel_table(lib.paged_ops_cpu_kernel_table()) != 0:
@@ -91,10 +110,12 @@ def _select_cpu_kernels() -> None:
     variants = supported_cpu_kernel_variants()
     cap_env = os.environ.get("PAGED_OPS_CPU_CAPABILITY", "").strip().lower()
     if cap_env:
-        if cap_env not in ("default", "avx2", "avx512"):
-            raise ValueError(
-                f"PAGED_OPS_CPU_CAPABILITY must be default, avx2 or avx512, got {cap_env!r}")
-        variants = variants[variants.index(cap_env):] if cap_env in variants else ["default"]
+        if cap_env not in _VARIANT_NAMES:
+            raise ValueError(f"PAGED_OPS_CPU_CAPABILITY must be one of {', '.join(_VARIANT_NAMES)}, "
+                             f"got {cap_env!r}")
+        # A cap: the best supported variant at or below it.
+        cap = _VARIANT_NAMES.index(cap_env)
+        variants = [v for v in variants if _VARIANT_NAMES.index(v) <= cap]
     set_cpu_kernel_variant(variants[0])
 
 

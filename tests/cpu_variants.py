@@ -33,7 +33,10 @@ import paged_ops
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 
-VARIANTS = paged_ops.supported_cpu_kernel_variants() + ["lanes16"]
+# lanes16_dot: lanes16 with the bf16 pair dot products of the avx512_bf16 build (kDotBF16), done
+# by the kernel's portable emulation of vdpbf16ps.
+LANES16 = {"lanes16": "", "lanes16_dot": "#define PAGED_OPS_DOT_BF16 1\n"}
+VARIANTS = paged_ops.supported_cpu_kernel_variants() + list(LANES16)
 
 _WIDTH_32 = """#define __at_align__ __attribute__((aligned(32)))
 #elif defined(_WIN32)
@@ -43,11 +46,11 @@ _WIDTH_32 = """#define __at_align__ __attribute__((aligned(32)))
 #endif
 #define VECTOR_WIDTH 32"""
 
-_SOURCE = """#define CPU_CAPABILITY_NAME "lanes16"
-#include "cpu/attention_kernel.h"
+_SOURCE = """#define CPU_CAPABILITY_NAME "{name}"
+{defines}#include "cpu/attention_kernel.h"
 static_assert(paged::cpu::W == 16, "the edited vec_base.h did not widen Vectorized<float>");
 extern "C" __attribute__((visibility("default"))) const paged::cpu::KernelTable*
-paged_ops_cpu_kernel_table() { return paged::cpu::kernel_table(); }
+paged_ops_cpu_kernel_table() {{ return paged::cpu::kernel_table(); }}
 """
 
 _libs = []  # loaded libraries stay alive while their table may be in use
@@ -67,8 +70,8 @@ def _command(shim, src, so):
 
 
 @functools.cache
-def _lanes16_library():
-    """(path of the lanes16 kernel library, None), (None, why it cannot be built here) or
+def _lanes16_library(name):
+    """(path of the lanes16 kernel library `name`, None), (None, why it cannot be built here) or
     (None, RuntimeError) when the kernel does not compile with 16 lanes: a bug, not a skip.
     Cached, failure included, so a failed build is not retried by every test."""
     if shutil.which("g++") is None:
@@ -78,41 +81,41 @@ def _lanes16_library():
         text = fh.read()
     if text.count(_WIDTH_32) != 1:
         return None, f"{vec_base} no longer has the 32-byte width block the lanes16 build edits"
-    digest = hashlib.sha256(text.encode())
+    digest = hashlib.sha256(text.encode() + name.encode())
     digest.update(torch.__version__.encode() + sysconfig.get_paths()["include"].encode())
     # The build command and source (this file): a change to them must not reuse a stale build.
     with open(__file__, "rb") as fh:
         digest.update(fh.read())
     for folder in (CSRC, os.path.join(CSRC, "cpu")):
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".h"):
-                with open(os.path.join(folder, name), "rb") as fh:
-                    digest.update(name.encode() + fh.read())
+        for header in sorted(os.listdir(folder)):
+            if header.endswith(".h"):
+                with open(os.path.join(folder, header), "rb") as fh:
+                    digest.update(header.encode() + fh.read())
     out = os.path.join(tempfile.gettempdir(), f"paged_ops_lanes16_{os.getuid()}",
                        digest.hexdigest()[:16])
-    so = os.path.join(out, "kernel_lanes16.so")
+    so = os.path.join(out, f"kernel_{name}.so")
     if os.path.exists(so):
         return so, None
     shim = os.path.join(out, "shim")
     os.makedirs(os.path.join(shim, "ATen", "cpu", "vec"), exist_ok=True)
     with open(os.path.join(shim, "ATen", "cpu", "vec", "vec_base.h"), "w") as fh:
         fh.write(text.replace(_WIDTH_32, _WIDTH_32.replace("32", "64")))
-    src = os.path.join(out, "lanes16.cpp")
+    src = os.path.join(out, f"{name}.cpp")
     with open(src, "w") as fh:
-        fh.write(_SOURCE)
+        fh.write(_SOURCE.format(name=name, defines=LANES16[name]))
     tmp = so + f".{os.getpid()}.tmp"
     res = subprocess.run(_command(shim, src, tmp), capture_output=True, text=True)
     if res.returncode != 0:
-        return None, RuntimeError(f"building the lanes16 kernel failed:\n{res.stderr[-4000:]}")
+        return None, RuntimeError(f"building the {name} kernel failed:\n{res.stderr[-4000:]}")
     os.replace(tmp, so)
     return so, None
 
 
 def _set(name):
-    if name != "lanes16":
+    if name not in LANES16:
         paged_ops.set_cpu_kernel_variant(name)
         return
-    so, why = _lanes16_library()
+    so, why = _lanes16_library(name)
     if isinstance(why, Exception):
         raise why
     if so is None:
@@ -121,7 +124,7 @@ def _set(name):
     lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
     assert paged_ops._C_LIB.paged_ops_set_cpu_kernel_table(lib.paged_ops_cpu_kernel_table()) == 0
     _libs.append(lib)
-    assert paged_ops.cpu_kernel_variant() == "lanes16"
+    assert paged_ops.cpu_kernel_variant() == name
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/bit_cast.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -171,6 +172,48 @@ constexpr bool kSplitPairs = false;
 inline void load_bf16_pairs(const c10::BFloat16*, VecF&, VecF&) {}
 inline VecF load_bf16_half(const c10::BFloat16*, int) { return VecF(0.f); }
 inline void split_pairs(float*) {}
+#endif
+
+// bf16 dot products (the avx512_bf16 build, PAGED_OPS_DOT_BF16): vdpbf16ps takes 2 W bf16
+// values of each operand and adds to fp32 lane j the products of their pair j, odd element
+// first: a[2j + 1] b[2j + 1] + a[2j] b[2j], each product exact in fp32, rounded to nearest (and
+// denormals flushed). Twice the multiply-adds of an fp32 FMA and no conversion, for q.k of a
+// bf16 cache with bf16 queries: the q values are then bf16 already, so the products are the
+// ones the fp32 path forms. The portable emulation below does the same lane by lane (denormals
+// kept), so the lanes16_dot test build runs this path on any CPU.
+#if defined(PAGED_OPS_DOT_BF16)
+constexpr bool kDotBF16 = true;
+#else
+constexpr bool kDotBF16 = false;
+#endif
+#if defined(__AVX512BF16__)
+static_assert(W == 16, "vdpbf16ps needs the 16-lane (AVX-512) vectors");
+using BF16Pairs = __m512bh;
+inline BF16Pairs load_pairs(const void* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+inline VecF dot_pairs(const VecF& acc, const BF16Pairs& a, const BF16Pairs& b) {
+  return VecF(_mm512_dpbf16_ps(acc, a, b));
+}
+#else
+struct BF16Pairs {
+  uint16_t v[2 * W];
+};
+inline BF16Pairs load_pairs(const void* p) {
+  BF16Pairs r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline VecF dot_pairs(const VecF& acc, const BF16Pairs& a, const BF16Pairs& b) {
+  auto f = [](uint16_t bits) { return c10::bit_cast<float>(static_cast<uint32_t>(bits) << 16); };
+  float out[W];
+  acc.store(out);
+  for (int64_t j = 0; j < W; ++j) {
+    out[j] += f(a.v[2 * j + 1]) * f(b.v[2 * j + 1]);
+    out[j] += f(a.v[2 * j]) * f(b.v[2 * j]);
+  }
+  return VecF::loadu(out);
+}
 #endif
 
 template <typename T>
@@ -400,6 +443,52 @@ inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64
     steps = three + two + (chunk_elems - three * 3 * W - two * 2 * W + W - 1) / W;
   }
   return steps * num_chunks;
+}
+
+// q.k by bf16 pair dot products (Layout::dot_bf16): a unit is 2 W bf16 elements of a chunk
+// (2 W / x tokens' chunks), qrep[g][c] the q chunk's x bf16 values repeated to 2 W (in W float
+// slots), and raw gets W lanes per unit, x / 2 pair sums per token. TOK units per step share
+// each q load.
+template <int G_T, int TOK>
+inline void qk_dot_step(const c10::BFloat16* kblk, const float* qrep, float* raw,
+                        int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
+                        PrefetchCursor& pf, int64_t unit0) {
+  VecF a[G_T][TOK];
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    pf.step();
+    BF16Pairs k[TOK];
+    for (int t = 0; t < TOK; ++t) k[t] = load_pairs(kblk + c * chunk_elems + (unit0 + t) * 2 * W);
+    for (int g = 0; g < G_T; ++g) {
+      const BF16Pairs q = load_pairs(qrep + (g * num_chunks + c) * W);
+      for (int t = 0; t < TOK; ++t) a[g][t] = dot_pairs(a[g][t], k[t], q);
+    }
+  }
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (unit0 + t) * W);
+}
+
+// Steps of 4, 2 and 1 units: 4 G_T + 4 + 1 vectors live at once (21 of AVX-512's 32 registers
+// for a tile of 4 rows). Every chunk iteration steps the prefetch cursor once, as in qk_tile;
+// qk_dot_iterations counts them.
+template <int G_T>
+inline void qk_tile_dot(const c10::BFloat16* kblk, const float* qrep, float* raw,
+                        int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
+                        PrefetchCursor& pf) {
+  const int64_t units = chunk_elems / (2 * W);
+  int64_t u = 0;
+  for (; u + 4 <= units; u += 4)
+    qk_dot_step<G_T, 4>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+  for (; u + 2 <= units; u += 2)
+    qk_dot_step<G_T, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+  for (; u < units; ++u)
+    qk_dot_step<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+}
+
+inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {
+  const int64_t units = chunk_elems / (2 * W);
+  return (units / 4 + units % 4 / 2 + units % 2) * num_chunks;
 }
 
 // Horizontal sum / max of the lanes (ATen's shuffle trees on AVX2 and AVX-512).
@@ -879,6 +968,10 @@ struct Layout {
   // tokens' chunks, split into even and odd elements, each half paired with the q chunk's
   // even / odd elements.
   bool split_k;
+  // q.k by bf16 pair dot products (qk_tile_dot): a bf16 cache read with bf16 queries where the
+  // CPU has them (kDotBF16) and the block's chunk is whole units of 2 W elements. qrep then
+  // holds the unscaled bf16 q (qk_scale multiplies the logits instead: q stays exact).
+  bool dot_bf16;
   int64_t XW;     // q chunk repetition length (x, W: powers of 2)
   int64_t x_sum;  // raw lanes per token
   int64_t NV;            // V row vectors in the fast PV path
@@ -897,14 +990,17 @@ struct Layout {
     BP = round_up(bs, W);
     PG = kGroup * BP;
     AS = D * W + 16;
+    dot_bf16 = kDotBF16 && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 &&
+               chunk_elems % (2 * W) == 0;
     split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
-    XW = split_k ? 2 * W : std::max<int64_t>(x, W);
-    x_sum = XW == 2 * W ? x / 2 : x;
+    XW = dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
+    x_sum = dot_bf16 || XW == 2 * W ? x / 2 : x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
     lane_acc = !fast_pv || kLaneAcc;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
-    qk_iters = qk_tile_iterations(chunk_elems, num_chunks, XW);
+    qk_iters = dot_bf16 ? qk_dot_iterations(chunk_elems, num_chunks)
+                        : qk_tile_iterations(chunk_elems, num_chunks, XW);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
     v_scale = P.v_scale * fp8_unit<CT>();
   }
@@ -1015,14 +1111,23 @@ struct ItemWorker {
     for (int64_t hr = 0; hr < it.nh * R; ++hr) {
       const int64_t r = hr % R, j = it.j0 + r / G, h = (it.kvh + hr / R) * G + r % G;
       const QT* q = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
+      S.m[hr] = -std::numeric_limits<float>::infinity();
+      S.l[hr] = 0.f;
+      if constexpr (std::is_same_v<QT, c10::BFloat16>) {
+        if (Lt.dot_bf16) {  // each chunk's x bf16 values as they are, repeated to 2 W
+          QT* rp = reinterpret_cast<QT*>(S.qrep.data() + hr * num_chunks * XW);
+          for (int64_t c = 0; c < num_chunks; ++c)
+            for (int64_t i = 0; i < 2 * W; i += Lt.x, rp += Lt.x)
+              std::memcpy(rp, q + c * Lt.x, Lt.x * sizeof(QT));
+          continue;
+        }
+      }
       float* qf = S.qf.data();
       for (int64_t d = 0; d < D; d += W) {
         const int64_t n = std::min<int64_t>(W, D - d);
         (load_f32(q + d, n) * VecF(Lt.qk_scale)).store(qf + d, n);
       }
       fill_qrep(qf, S.qrep.data() + hr * num_chunks * XW);
-      S.m[hr] = -std::numeric_limits<float>::infinity();
-      S.l[hr] = 0.f;
     }
     // pv_group starts its sums itself on the first group (init); pv_row_any adds, and an
     // item without blocks (empty split, seq_len 0) still turns its sums into rows.
@@ -1081,10 +1186,18 @@ struct ItemWorker {
                         (R / 4 + R % 4) * Lt.qk_iters);
       auto qk = [&](auto tile, auto one_q) {
         constexpr int G_T = decltype(tile)::value;
-        for (; r + G_T <= R; r += G_T)
-          qk_tile<G_T, decltype(one_q)::value>(g.k[k], qrep_h + r * num_chunks * XW,
-                                               S.raw.data() + r * KP, num_chunks,
-                                               Lt.chunk_elems, KP, XW, pf);
+        for (; r + G_T <= R; r += G_T) {
+          const float* qr = qrep_h + r * num_chunks * XW;
+          float* raw = S.raw.data() + r * KP;
+          if constexpr (std::is_same_v<CT, c10::BFloat16>) {
+            if (Lt.dot_bf16) {
+              qk_tile_dot<G_T>(g.k[k], qr, raw, num_chunks, Lt.chunk_elems, KP, pf);
+              continue;
+            }
+          }
+          qk_tile<G_T, decltype(one_q)::value>(g.k[k], qr, raw, num_chunks, Lt.chunk_elems, KP,
+                                               XW, pf);
+        }
       };
       if (XW == W) {
         qk(std::integral_constant<int, 4>{}, std::true_type{});
@@ -1102,6 +1215,8 @@ struct ItemWorker {
           continue;
         }
         sum_lane_groups(S.raw.data() + r * KP, Lt.x_sum, bs, pr);
+        if (Lt.dot_bf16)
+          for (int64_t t = 0; t < bs; ++t) pr[t] *= Lt.qk_scale;
         for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
         if (!Lt.plain_logits || t0 > 0 || t1 < bs) {
           const float slope =

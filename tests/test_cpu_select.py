@@ -1,0 +1,66 @@
+"""Which CPU attention kernel build runs: the best one ATen's capability detection allows and
+that was built, capped by PAGED_OPS_CPU_CAPABILITY (README, "CPU kernels")."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import paged_ops
+
+
+def _variant_in_subprocess(**env):
+    code = "import paged_ops; print(paged_ops.cpu_kernel_variant())"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **env})
+    return res
+
+
+def test_default_is_the_best_supported():
+    res = _variant_in_subprocess()
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == paged_ops.supported_cpu_kernel_variants()[0]
+
+
+@pytest.mark.parametrize("cap", ["default", "avx2", "avx512", "avx512_bf16"])
+def test_capability_caps_the_choice(cap):
+    # The best supported build at or below the cap: asking for more than the CPU has gives the
+    # best it has, not the portable build.
+    order = ["default", "avx2", "avx512", "avx512_bf16"]
+    expect = next(v for v in paged_ops.supported_cpu_kernel_variants()
+                  if order.index(v) <= order.index(cap))
+    res = _variant_in_subprocess(PAGED_OPS_CPU_CAPABILITY=cap.upper())
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == expect
+
+
+def test_bad_capability_names_the_variable():
+    res = _variant_in_subprocess(PAGED_OPS_CPU_CAPABILITY="avx9000")
+    assert res.returncode != 0
+    assert "PAGED_OPS_CPU_CAPABILITY" in res.stderr and "avx512_bf16" in res.stderr
+
+
+def test_aten_capability_limits_the_builds():
+    res = _variant_in_subprocess(ATEN_CPU_CAPABILITY="default")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "default"
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_avx512_bf16_only_where_the_cpu_has_it(monkeypatch, bf16):
+    # What an AVX-512 CPU would be offered, with and without AVX512-BF16 (ATen's cpuinfo flags).
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: {"avx512_bf16": bf16})
+    built = [v for v in ("avx512_bf16", "avx512", "avx2") if paged_ops._variant_library(v)]
+    expect = [v for v in built if bf16 or v != "avx512_bf16"] + ["default"]
+    assert paged_ops.supported_cpu_kernel_variants() == expect
+
+
+def test_variant_libraries_are_told_apart():
+    # "_cpu_avx512" must not find "_cpu_avx512_bf16" (a prefix of its name).
+    for name in ("avx2", "avx512", "avx512_bf16"):
+        path = paged_ops._variant_library(name)
+        if path is not None:
+            assert os.path.basename(path).split(".")[0] == f"_cpu_{name}"
