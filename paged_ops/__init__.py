@@ -111,8 +111,8 @@ def _select_cpu_kernels() -> None:
     cap_env = os.environ.get("PAGED_OPS_CPU_CAPABILITY", "").strip().lower()
     if cap_env:
         if cap_env not in _VARIANT_NAMES:
-            raise ValueError(f"PAGED_OPS_CPU_CAPABILITY must be one of {', '.join(_VARIANT_NAMES)}, "
-                             f"got {cap_env!r}")
+            raise ValueError("PAGED_OPS_CPU_CAPABILITY must be one of "
+                             f"{', '.join(_VARIANT_NAMES)}, got {cap_env!r}")
         # A cap: the best supported variant at or below it.
         cap = _VARIANT_NAMES.index(cap_env)
         variants = [v for v in variants if _VARIANT_NAMES.index(v) <= cap]
