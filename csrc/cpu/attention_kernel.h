@@ -557,15 +557,12 @@ inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z)
     }
   }
 #endif
+  // x is Layout::x_sum: x = 16 / sizeof(cache element) or half of it, so 4, 8 or 16.
   switch (x) {
     case 4: return sum_lanes<4>(raw + t * x, ntok - t, z + t);
     case 8: return sum_lanes<8>(raw + t * x, ntok - t, z + t);
     case 16: return sum_lanes<16>(raw + t * x, ntok - t, z + t);
-  }
-  for (; t < ntok; ++t) {
-    float v = 0.f;
-    for (int64_t i = 0; i < x; ++i) v += raw[t * x + i];
-    z[t] = v;
+    default: TORCH_INTERNAL_ASSERT(false, "sum_lane_groups: ", x, " lanes per token");
   }
 }
 
