@@ -1,6 +1,6 @@
-// The paged op library: every schema of DESIGN.md §3, in one place. Kernels live in csrc/cpu/
-// (TORCH_LIBRARY_IMPL(paged, CPU, ...)) and csrc/cuda/ (TORCH_LIBRARY_IMPL(paged, CUDA, ...));
-// fake (meta) implementations are registered from Python in paged_ops/_fake.py.
+// The paged op library: every schema (docs/design.md, section 3), in one place. Kernels live in
+// csrc/cpu/ (TORCH_LIBRARY_IMPL(paged, CPU, ...)) and csrc/cuda/ (TORCH_LIBRARY_IMPL(paged,
+// CUDA, ...)); fake (meta) implementations are registered from Python in paged_ops/_fake.py.
 #include <Python.h>
 #include <torch/library.h>
 

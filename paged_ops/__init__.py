@@ -1,8 +1,9 @@
 """paged_ops: paged KV-cache attention operators for PyTorch.
 
 Importing this package loads the compiled extension, which registers the ``torch.ops.paged``
-ops (see DESIGN.md §3) on CPU and, when built with CUDA, on CUDA; their fake implementations
-(for torch.compile) come from :mod:`paged_ops._fake`.
+ops (docs/design.md, section 3) on CPU and, when built with CUDA, on CUDA; their fake
+implementations (for torch.compile) come from :mod:`paged_ops._fake`. It also selects the
+fastest CPU attention kernel build this CPU can run (docs/cpu_kernel.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Documented Python wrappers of the ``torch.ops.paged`` ops (DESIGN.md §3)."""
+"""Documented Python wrappers of the ``torch.ops.paged`` ops (docs/design.md, section 3)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def cache_x(dtype: torch.dtype) -> int:
 def allocate_kv_cache(num_blocks: int, num_kv_heads: int, head_size: int, block_size: int,
                       dtype: torch.dtype = torch.float16,
                       device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate one layer's paged KV cache in the layouts of DESIGN.md §2.
+    """Allocate one layer's paged KV cache in the layouts of docs/design.md, section 2.
 
     Returns ``(key_cache, value_cache)`` of shapes
     ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and
@@ -57,7 +57,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Args:
         query: ``[num_seqs, num_heads, head_size]`` (decode) or, with ``query_start_loc``,
             ``[total_query_tokens, num_heads, head_size]``; last dim contiguous.
-        key_cache, value_cache: the caches (DESIGN.md §2 layouts).
+        key_cache, value_cache: the caches (layouts: docs/design.md, section 2).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entry ``b`` of row ``s`` is the
             physical block holding positions ``b * block_size ...`` of sequence ``s``.
         seq_lens: int32 ``[num_seqs]``: how many cached positions each sequence attends to.

@@ -1,8 +1,8 @@
 """Reference implementations of the paged ops in plain PyTorch: the executable spec.
 
-Written straight from DESIGN.md §2-§3, as simply as possible (Python loops over sequences and
-tokens, fp32 math), and sharing no code with the kernels. Every function is pure: it returns new
-tensors and leaves its inputs unchanged.
+Written from the contract (docs/design.md, sections 2-3) as simply as possible (Python loops
+over sequences and tokens, fp32 math), and sharing no code with the kernels. Every function is
+pure: it returns new tensors and leaves its inputs unchanged.
 """
 
 from __future__ import annotations
