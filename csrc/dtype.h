@@ -1,6 +1,6 @@
 // Element types of queries, outputs and caches as the kernels see them. No torch header here:
 // the CPU capability variants and the .cu files include this (see cpu/kernels.h,
-// cuda/launch.cuh); checks.h maps torch dtypes onto it (kernel_dtype).
+// cuda/launch.cuh); attention_args.h maps torch dtypes onto it (kernel_dtype).
 #pragma once
 
 #include <cstdint>

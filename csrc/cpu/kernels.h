@@ -1,7 +1,8 @@
 // Plain-pointer interface between the CPU op wrappers (ops_cpu.cpp, which check and unpack the
 // tensors) and the attention kernel, which is compiled once per CPU capability (DEFAULT inside
-// _C; AVX2 and AVX-512 as separate shared objects, see setup.py). Nothing here includes torch's
-// tensor headers, so a capability variant compiles fast and shares no torch inline code with _C.
+// _C; AVX2, AVX-512 and AVX-512 with BF16 dot products as separate shared objects, see setup.py
+// and docs/cpu_kernel.md). Nothing here includes torch's tensor headers, so a capability variant
+// compiles fast and shares no torch inline code with _C.
 #pragma once
 
 #include <cstdint>
@@ -41,7 +42,7 @@ struct AttentionParams {
 
 struct KernelTable {
   int32_t abi_version;  // kKernelAbiVersion; guards against a stale variant library
-  const char* name;     // "default", "avx2", "avx512"
+  const char* name;     // "default", "avx2", "avx512", "avx512_bf16"
   void (*attention)(const AttentionParams&);
 };
 
@@ -49,5 +50,6 @@ constexpr int32_t kKernelAbiVersion = 2;
 
 }  // namespace paged::cpu
 
-// Exported by each capability variant library (and by _C for the default one).
+// Exported by each capability variant library; _C keeps its default table internal
+// (kernels_default.cpp) and takes a variant's through paged_ops_set_cpu_kernel_table.
 extern "C" const paged::cpu::KernelTable* paged_ops_cpu_kernel_table();
