@@ -4,10 +4,10 @@ Builds the AVX2 kernel library (``csrc/cpu/variant_avx2.cpp``, with the flags of
 ``kernel_phases.py``) from each revision's ``csrc/``, a git revision or ``.`` for the working
 tree, in a temporary directory, loads them all into one process and times decode calls round
 after round, switching kernels through the table the package uses for CPU dispatch. Every other
-round runs the kernels in reverse order: on the development machine the kernel timed first in a
-round measured 2-5% apart from the others whatever it was, and alternating cancels that.
+round runs the kernels in reverse order: on a shared two-core machine the kernel timed first in
+a round measured 2-5% apart from the others whatever it was, and alternating cancels that.
 
-    python benchmarks/ab_kernels.py 29c3a84 .               # the kernel then and now
+    python benchmarks/ab_kernels.py 29c3a84 .               # a revision against the work tree
     python benchmarks/ab_kernels.py HEAD~1 . --dtypes fp16,bf16 --shapes 8x2048,1x128
 
 Prints, per dtype and shape, each kernel's median time per (block, kv head) on one thread, its

@@ -2,7 +2,7 @@
 // destination lines for writing: one token per scattered slot, key_cache [blocks, H, D / x,
 // bs, x] and value_cache [blocks, H, D, bs] (x * element = 16 bytes), H = 8, D = 128, bs = 16.
 // Nanoseconds per token on one thread (median of 200 passes), for 64 tokens (their lines fit
-// in L3) and 256 (the benchmark's decode row). README, "What limits the rest".
+// in L3) and 256 (the benchmark's decode row). Figures: benchmarks/RESULTS.md.
 //
 //   g++ -O3 -mavx2 benchmarks/cache_write_lines.cpp -o /tmp/cache_write_lines
 //   /tmp/cache_write_lines

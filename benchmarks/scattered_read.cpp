@@ -1,7 +1,8 @@
 // Read bandwidth of scattered runs, by run length: what the layout of the paged cache lets the
-// CPU attention kernel read at (README, "What limits the rest"). One pass over 1 GiB cut into
-// runs of RUN bytes visited in random order (each thread its own share), summed with AVX2,
-// with and without a software prefetch of the next run; then the same memory in address order.
+// CPU attention kernel read at (docs/cpu_kernel.md; figures in benchmarks/RESULTS.md). One pass
+// over 1 GiB cut into runs of RUN bytes visited in random order (each thread its own share),
+// summed with AVX2, with and without a software prefetch of the next run; then the same memory
+// in address order.
 //
 //   g++ -O3 -mavx2 -fopenmp benchmarks/scattered_read.cpp -o /tmp/scattered_read
 //   OMP_NUM_THREADS=2 /tmp/scattered_read
