@@ -79,9 +79,9 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
             blocks stay valid). A float, or a ``(k_scale, v_scale)`` pair, fixes the scales of
             every layer (``1.0``: store the values as they are). :attr:`k_scales` and
             :attr:`v_scales` hold the tensors.
-
-        max_waiting_requests: most requests waiting for admission; :meth:`add_request`
-            beyond it raises :class:`EngineOverloaded` (``None``: no limit).
+        max_waiting_requests: most requests waiting for admission (new ones, and running
+            ones preempted by recompute); :meth:`add_request` beyond it raises
+            :class:`EngineOverloaded` (``None``: no limit).
 
     The pool is sized in blocks; :attr:`kv_bytes_per_block` gives the bytes one block takes
     over all layers (keys and values).
@@ -263,6 +263,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         """``ValueError`` for a request that is invalid or could never fit the pool."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.__post_init__()  # fields may have been changed since construction
         if not prompt:
             raise ValueError(f"{what} is empty")
         vocab = getattr(self.config, "vocab_size", None)
