@@ -248,6 +248,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
     def capacity_tokens(self) -> int:
         """KV positions the GPU pool holds: ``num_blocks * block_size``."""
         return self.num_blocks * self.block_size
+
     # ------------------------------------------------------------------ online API
     def reset_stats(self) -> None:
         """Start :attr:`stats` afresh (:meth:`generate` does it at its start)."""
