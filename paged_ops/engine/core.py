@@ -622,13 +622,13 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         contiguous = unshared = beam_blocks = beam_unshared = 0
         for g in self._running:
             p = g.request.params
-            tables = [bm.block_table(b.seq_id) for b in g.branches]
             contiguous += len(g.branches) * (len(g.request.prompt) + p.max_new_tokens)
-            n = sum(map(len, tables))
+            # A sequence of L positions holds ceil(L / block_size) blocks.
+            n = sum(bm.num_blocks_for(bm.seq_len(b.seq_id)) for b in g.branches)
             unshared += n
             if g.request.beam is not None:
                 beam_unshared += n
-                beam_blocks += len({x for t in tables for x in t})
+                beam_blocks += len({x for b in g.branches for x in bm.block_table(b.seq_id)})
         running = sum(len(g.branches) for g in self._running)
         rec = StepRecord(step=st.steps, kind=kind, num_tokens=num_tokens,
                          used_blocks=bst.used_blocks, tail_waste_slots=bst.tail_waste_slots,
