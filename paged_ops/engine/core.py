@@ -179,8 +179,9 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         model.eval()
 
-        # Prefix caching prefills over the paged cache with the multi-token op; where the
-        # device's kernel lacks it (CUDA for now), a gathered-SDPA fallback runs (eagerly).
+        # Prefix caching prefills over the paged cache with the multi-token op; where the op
+        # rejects a multi-token call on the model's device (probed once), a gathered-SDPA
+        # fallback runs (eagerly).
         self._native_multi_token = True
         if self.enable_prefix_caching:
             self._native_multi_token = self._probe_multi_token()
