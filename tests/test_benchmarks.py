@@ -36,3 +36,28 @@ def test_ab_kernels_extracts_a_revision_and_the_working_tree(tmp_path):
     key_wt = ab.extract(".", str(tmp_path / "wt"))
     assert os.path.exists(tmp_path / "wt" / kernel) and key_wt.startswith("wt-")
     assert ab.extract(".", str(tmp_path / "wt2")) == key_wt  # same content, same key
+
+
+def test_bench_attention_grid_smoke(tmp_path):
+    # The grid of bench_attention.py on tiny caches: a row per (dtype, block size, shape, CPU
+    # kernel build), each build's output checked against gather + SDPA, the CSV and the plot.
+    import paged_ops
+
+    ba = load("bench_attention")
+    selected = paged_ops.cpu_kernel_variant()
+    csv_path, png_path = tmp_path / "g.csv", tmp_path / "g.png"
+    rows = ba.main(["--cache-gib", "0.002", "--block-sizes", "8,32", "--dtypes",
+                    "fp32,bf16,fp8_e5m2", "--variants", "all", "--shapes", "2x40,1x70",
+                    "--heads", "4/2", "--threads", "1", "--min-time", "0", "--min-reps", "1",
+                    "--no-extras", "--csv", str(csv_path), "--plot", str(png_path)])
+    variants = paged_ops.supported_cpu_kernel_variants()
+    grid = [r for r in rows if r["section"] == "grid"]
+    assert len(grid) == 3 * 2 * 2 * len(variants)
+    assert {r["variant"] for r in grid} == set(variants)
+    for r in grid:
+        assert r["layers"] >= 2 and r["gbs"] > 0 and r["pct_bw"] > 0
+        assert r["max_err"] < 2e-2, r
+    assert paged_ops.cpu_kernel_variant() == selected  # the selection is restored
+    with open(csv_path) as fh:
+        assert len(fh.read().splitlines()) == len(grid) + 1
+    assert png_path.stat().st_size > 0
