@@ -356,9 +356,9 @@ def main(argv=None):
     if a.worker == "vllm":
         return vllm_worker(a)
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
-    peer, why = None, None
-    if a.no_install and not os.path.exists(peer_python()):
-        why = "--no-install and no .venv-peer"
+    peer = None
+    if a.no_install:
+        why = None if os.path.exists(peer_python()) else f"--no-install and no {PEER_VENV}"
     else:
         why = ensure_peer_venv()
     with tempfile.TemporaryDirectory() as tmp:
