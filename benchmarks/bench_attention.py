@@ -364,7 +364,8 @@ def summary_tables(rows, shapes):
         lines.append(f"B={batch} L={ctx}: GB/s (% of read bandwidth) by block size")
         lines.append(f"  {'dtype':8s} {'variant':11s} " + "".join(f"{'bs ' + str(b):>15s}"
                                                              for b in bss))
-        keys = list(dict.fromkeys((r["dtype"], r["variant"]) for r in sel))
+        keys = dict.fromkeys((r["dtype"], r["variant"]) for r in grid)  # the same order per shape
+        keys = [k for k in keys if any((r["dtype"], r["variant"]) == k for r in sel)]
         for dname, variant in keys:
             cells = []
             for b in bss:
@@ -541,6 +542,8 @@ def parse_args(argv=None):
     p.add_argument("--csv", default=None)
     p.add_argument("--plot", default=None, help="PNG: % of read bandwidth over block size")
     p.add_argument("--quick", action="store_true", help="a few rows only")
+    p.add_argument("--from-csv", default=None, metavar="CSV[,CSV...]",
+                   help="run nothing: the tables (and --plot) of earlier runs' CSV files")
     p.add_argument("--multi-token", action="store_true",
                    help="CUDA only: the multi-token (chunked prefill) and fp8 rows, nothing else")
     return p.parse_args(argv)
@@ -559,7 +562,33 @@ def main(argv=None):
         torch.set_num_threads(threads)
 
 
+def read_csv_rows(paths):
+    rows = []
+    for path in paths:
+        with open(path) as fh:
+            for r in csv.DictReader(fh):
+                if r.get("section") != "grid":
+                    continue
+                for k in ("block_size", "batch", "ctx", "heads", "kv_heads", "head_size"):
+                    r[k] = int(r[k])
+                for k in ("us", "gbs", "bw_gbs", "pct_bw"):
+                    r[k] = float(r[k])
+                rows.append(r)
+    return rows
+
+
 def run_benchmark(a):
+    if a.from_csv:
+        rows = read_csv_rows(a.from_csv.split(","))
+        if not rows:
+            sys.exit(f"no grid rows in {a.from_csv}")
+        print(summary_tables(rows, list(dict.fromkeys((r["batch"], r["ctx"]) for r in rows))))
+        if a.plot:
+            r0 = rows[0]
+            plot_grid(rows, a.plot, f"paged decode attention, {r0['heads']}q/{r0['kv_heads']}kv "
+                      f"heads, head size {r0['head_size']}; {r0.get('cpu')}, "
+                      f"{r0.get('threads')} threads; {r0.get('date')}; commit {r0.get('commit')}")
+        return rows
     device = a.device
     info = machine_info()
     selected = paged_ops.cpu_kernel_variant()

@@ -61,6 +61,9 @@ def test_bench_attention_grid_smoke(tmp_path):
     with open(csv_path) as fh:
         assert len(fh.read().splitlines()) == len(grid) + 1
     assert png_path.stat().st_size > 0
+    again = ba.main(["--from-csv", str(csv_path), "--plot", str(tmp_path / "again.png")])
+    assert [(r["variant"], r["dtype"], r["block_size"], r["batch"]) for r in again] == \
+        [(r["variant"], r["dtype"], r["block_size"], r["batch"]) for r in grid]
 
 
 def test_peer_vllm_cpu_table_and_fp8_reference():
