@@ -125,14 +125,33 @@ def copy_bandwidth_gbs(device):
 def machine_info():
     """CPU model, date and commit, for figures that name where and when they were taken."""
     cpu = platform.processor() or "unknown CPU"
+    flags = set()
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:
         pass
+    # A VM's model name can be as vague as "Intel(R) Xeon(R) Processor": name the vector
+    # extensions and the last-level cache too.
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+           if f in flags]
+    llc = ""
+    for index in (3, 2):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as fh:
+                size = fh.read().strip()
+            if size.endswith("K") and size[:-1].isdigit():
+                size = f"{int(size[:-1]) / 1024:g} MiB"
+            llc = f"L{index} {size}"
+            break
+        except OSError:
+            continue
+    cpu += f" [{' '.join(isa) or 'no AVX2'}{'; ' + llc if llc else ''}]"
     try:
         commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
                                 capture_output=True, text=True, check=True).stdout.strip()
