@@ -36,3 +36,58 @@ def test_ab_kernels_extracts_a_revision_and_the_working_tree(tmp_path):
     key_wt = ab.extract(".", str(tmp_path / "wt"))
     assert os.path.exists(tmp_path / "wt" / kernel) and key_wt.startswith("wt-")
     assert ab.extract(".", str(tmp_path / "wt2")) == key_wt  # same content, same key
+
+
+def test_bench_attention_grid_smoke(tmp_path):
+    # The grid of bench_attention.py on tiny caches: a row per (dtype, block size, shape, CPU
+    # kernel build), each build's output checked against gather + SDPA, the CSV and the plot.
+    import paged_ops
+
+    ba = load("bench_attention")
+    selected = paged_ops.cpu_kernel_variant()
+    csv_path, png_path = tmp_path / "g.csv", tmp_path / "g.png"
+    rows = ba.main(["--cache-gib", "0.002", "--block-sizes", "8,32", "--dtypes",
+                    "fp32,bf16,fp8_e5m2", "--variants", "all", "--shapes", "2x40,1x70",
+                    "--heads", "4/2", "--threads", "1", "--min-time", "0", "--min-reps", "1",
+                    "--no-extras", "--csv", str(csv_path), "--plot", str(png_path)])
+    variants = paged_ops.supported_cpu_kernel_variants()
+    grid = [r for r in rows if r["section"] == "grid"]
+    assert len(grid) == 3 * 2 * 2 * len(variants)
+    assert {r["variant"] for r in grid} == set(variants)
+    for r in grid:
+        assert r["layers"] >= 2 and r["gbs"] > 0 and r["pct_bw"] > 0
+        assert r["max_err"] < 2e-2, r
+    assert paged_ops.cpu_kernel_variant() == selected  # the selection is restored
+    with open(csv_path) as fh:
+        assert len(fh.read().splitlines()) == len(grid) + 1
+    assert png_path.stat().st_size > 0
+    again = ba.main(["--from-csv", str(csv_path), "--plot", str(tmp_path / "again.png")])
+    assert [(r["variant"], r["dtype"], r["block_size"], r["batch"]) for r in again] == \
+        [(r["variant"], r["dtype"], r["block_size"], r["batch"]) for r in grid]
+
+
+def test_peer_vllm_cpu_table_and_fp8_reference():
+    # The peer script's table from rows of both sides (vLLM itself lives in .venv-peer and is
+    # not run here), and its model of vLLM's fp8 cache write (round toward zero).
+    import torch
+
+    pv = load("peer_vllm_cpu")
+    ours = [dict(variant=v, dtype="bf16", block_size=bs, batch=8, ctx=2048, gbs=g, pct_bw=p)
+            for v, bs, g, p in (("avx2", 16, 20.0, 80.0), ("avx512", 16, 22.0, 88.0),
+                                ("avx2", 32, 21.0, 84.0), ("avx512", 32, 23.0, 92.0))]
+    peer = dict(rows=[dict(dtype="bf16", block_size=16, batch=8, ctx=2048, isa="vec16",
+                           error="block size"),
+                      dict(dtype="bf16", block_size=32, batch=8, ctx=2048, isa="amx",
+                           gbs=11.5, pct_bw=46.0)])
+    lines = pv.table(ours, peer, [(8, 2048)]).splitlines()
+    assert "ours avx2" in lines[0] and "ours avx512" in lines[0]
+    assert "unsupported (vec16)" in lines[1]
+    assert "amx" in lines[2] and lines[2].endswith("x2.00")  # best build 92% / vLLM 46%
+    assert "-" in pv.table(ours, None, [(8, 2048)]).splitlines()[1]
+    x = torch.tensor([1.1, -1.1, 0.3, 448.0, 0.0, 1e-3])
+    for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = pv.fp8_toward_zero(torch, x, f8)
+        assert (t.abs() <= x.abs()).all() and (t * x >= 0).all()
+        assert (t == x.to(f8).float()).logical_or(t.abs() < x.to(f8).float().abs()).all()
+    # 1.1 lies between e4m3's 1.0 and 1.125; round-to-nearest gives 1.125.
+    assert pv.fp8_toward_zero(torch, x, torch.float8_e4m3fn)[:2].tolist() == [1.0, -1.0]
