@@ -1,0 +1,127 @@
+"""One rank of tests/test_tp.py, launched by ``torchrun --nproc-per-node 2`` (gloo, CPU).
+
+``python tp_worker.py MODEL_DIR INDIVISIBLE_MODEL_DIR OUT_DIR``: loads ``MODEL_DIR`` sharded
+by transformers' tensor-parallel plan, runs :class:`PagedEngine` on it (a pool small enough to
+preempt, prefix caching on, two branches per prompt, then requests sharing a system prompt),
+checks after every step that all ranks scheduled the same step and got bitwise identical
+logits, and writes ``OUT_DIR/rank<r>.json``. Rank 0 also writes the single-process references
+(transformers' ``generate`` of the unsharded model). The test process compares them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+PROMPT_LENS = (5, 11, 19, 26, 33, 40)
+MAX_NEW = 14
+N_BRANCHES = 2
+NUM_BLOCKS, BLOCK_SIZE = 20, 8
+SYSTEM_LEN, SHARED_MAX_NEW = 24, 6
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    system = torch.randint(0, 256, (SYSTEM_LEN,), generator=g).tolist()
+    shared = [system + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    return prompts, shared
+
+
+class _StepCheck:
+    """Step callback: every rank must see the same step (scheduling) and the same logits."""
+
+    def __init__(self):
+        self.steps = 0
+        self.schedule_mismatches = 0
+        self.logit_mismatches = 0
+
+    def __call__(self, engine, rec):
+        self.steps += 1
+        seqs, logits = engine.last_step_logits
+        mine = (rec.kind, rec.num_tokens, rec.used_blocks, rec.running, rec.waiting,
+                rec.preempted, seqs)
+        world = dist.get_world_size()
+        theirs = [None] * world
+        dist.all_gather_object(theirs, mine)
+        if any(t != mine for t in theirs):
+            self.schedule_mismatches += 1
+            return  # logits of different steps cannot be compared
+        got = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(got, logits.contiguous())
+        if any(not torch.equal(g, logits) for g in got):
+            self.logit_mismatches += 1
+
+
+def _reference(model_dir, prompts, shared):
+    from transformers import AutoModelForCausalLM
+
+    from paged_ops.engine import PagedEngine
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def gen(p, max_new):
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             do_sample=False, pad_token_id=0)
+        return out[0, len(p):].tolist()
+
+    with torch.no_grad():
+        refs = [gen(p, MAX_NEW) for p in prompts]
+        shared_refs = [gen(p, SHARED_MAX_NEW) for p in shared]
+    single = PagedEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    return {"greedy": refs, "shared": shared_refs,
+            "kv_bytes_per_block": single.kv_bytes_per_block,
+            "num_kv_heads": single.num_kv_heads}
+
+
+def main(model_dir: str, bad_dir: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    rank = dist.get_rank()
+    from transformers import AutoModelForCausalLM
+
+    from paged_ops.engine import PagedEngine
+
+    prompts, shared = _prompts()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
+    check = _StepCheck()
+    engine = PagedEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                         enable_prefix_caching=True, step_callback=check)
+    out = {"rank": rank, "world_size": dist.get_world_size(), "tp_world_size": engine.tp.world_size,
+           "tp_rank": engine.tp.rank, "num_heads": engine.num_heads,
+           "num_kv_heads": engine.num_kv_heads,
+           "kv_bytes_per_block": engine.kv_bytes_per_block,
+           "cache_shape": list(engine.key_caches[0].shape)}
+    out["greedy"] = engine.generate(prompts, MAX_NEW, n=N_BRANCHES)
+    st = engine.stats
+    out["greedy_stats"] = {"preemptions": st.preemptions, "cow_copies": st.cow_copies,
+                           "forks": st.forks, "cached_prompt_tokens": st.cached_prompt_tokens,
+                           "steps": st.steps}
+    out["shared"] = [b[0] for b in engine.generate(shared, SHARED_MAX_NEW)]
+    out["shared_cached_prompt_tokens"] = engine.stats.cached_prompt_tokens
+    out["steps_checked"] = check.steps
+    out["schedule_mismatches"] = check.schedule_mismatches
+    out["logit_mismatches"] = check.logit_mismatches
+
+    bad = AutoModelForCausalLM.from_pretrained(bad_dir, tp_plan="auto", dtype=torch.float32)
+    try:
+        PagedEngine(bad, num_blocks=4, block_size=BLOCK_SIZE)
+        out["indivisible_error"] = None
+    except ValueError as e:
+        out["indivisible_error"] = str(e)
+
+    if rank == 0:
+        out["reference"] = _reference(model_dir, prompts, shared)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
