@@ -1,0 +1,649 @@
+"""The :class:`PagedEngine`: its constructor, public API and the step loop that turns each
+forward pass's logits into tokens (sampling or beam search), branches and outputs."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from .._api import allocate_kv_cache
+from ..block_manager import BlockManager
+from .attention import ATTN_IMPLEMENTATION, register_paged_attention
+from .fp8 import FP8_DTYPES, make_kv_scales
+from .request import Branch, Request, RequestOutput, SeqGroup
+from .runner import StepRunnerMixin
+from .sampling import SamplingParams, branch_generator, sample_next_tokens
+from .scheduler import SchedulerMixin
+from .stats import EngineStats, StepRecord
+
+
+class EngineOverloaded(RuntimeError):
+    """:meth:`PagedEngine.add_request` while ``max_waiting_requests`` requests are waiting."""
+
+
+class PagedEngine(SchedulerMixin, StepRunnerMixin):
+    """Continuous-batching generation for a transformers decoder-only model over paged KV:
+    greedy, sampling (``n`` branches sharing the prompt's blocks) and beam search, offline
+    (:meth:`generate`) or online (:meth:`add_request`, :meth:`step`, :meth:`abort`,
+    :meth:`stream`).
+
+    Args:
+        model: a ``transformers`` causal LM whose attention layers dispatch through
+            ``ALL_ATTENTION_FUNCTIONS`` and carry ``layer_idx`` (Llama, Mistral, Qwen2, ... ;
+            GQA included). The engine switches it to the ``"paged_ops"`` attention
+            implementation (calls outside the engine fall back to SDPA) and puts it in eval
+            mode. Its device and dtype decide the caches' device and dtype.
+        num_blocks: GPU (model-device) blocks in the pool.
+        block_size: token slots per block.
+        num_cpu_blocks: blocks of the CPU swap pool (0: no swapping).
+        preemption_mode: ``"recompute"`` or ``"swap"`` (needs ``num_cpu_blocks > 0``; falls
+            back to recompute when the CPU pool is full). Default: ``"swap"`` if
+            ``num_cpu_blocks > 0`` else ``"recompute"``.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most prompt tokens packed into one prefill step (a longer
+            prompt still runs, alone).
+        watermark: fraction of the pool kept free when admitting a request while others run
+            (headroom for their growth, fewer preemptions right after admission).
+        compile: ``True`` wraps the model forward in ``torch.compile(dynamic=True)`` for both
+            prefill and decode steps; ``"decode"`` compiles the decode steps only; a ``dict`` is
+            passed to ``torch.compile`` as keyword arguments (both steps, ``dynamic=True``
+            unless given).
+        eos_token_id: token id(s) that end a branch; default: the model's
+            ``generation_config.eos_token_id`` (``None``: stop only at ``max_new_tokens``).
+        step_callback: called as ``step_callback(engine, record)`` after every step (progress
+            bars). :attr:`last_step_logits` holds that step's logits.
+        enable_prefix_caching: share the KV blocks of common prompt prefixes (seed 000 §18).
+            The block manager registers every full block under a hash of its token ids (and
+            its whole prefix); a new request (or a sequence readmitted after a recompute
+            preemption) whose leading full blocks are registered, in a running sequence or
+            in a finished one whose blocks are still cached (ref count 0, evicted LRU only
+            when the pool needs them), reuses them and prefills only the rest: the prefill
+            step then runs ``torch.ops.paged.attention`` with ``query_start_loc`` over the
+            paged cache for every prefill, instead of SDPA over the step's own keys/values.
+            Decode steps register the blocks they fill too. ``stats.cached_prompt_tokens``
+            counts the positions served from the cache. Cached blocks outlive
+            :meth:`generate`, so a later call hits blocks of an earlier one.
+        kv_cache_dtype: element type of the KV caches: the model's dtype (default), or
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (half or a quarter of the
+            memory; stored = ``x / scale`` saturated, read = ``stored * scale``).
+        kv_scale: fp8 only: the per-tensor scales. ``"auto"`` (default): one key scale and
+            one value scale per layer, calibrated once, on the engine's first prefill step,
+            from that step's keys/values: ``scale = amax / (finfo.max / KV_SCALE_HEADROOM)``
+            (headroom 4: later values up to 4x the calibration amax still fit; fp8's
+            relative precision does not depend on the scale, the headroom only moves the
+            underflow threshold by two binades). The scales never change afterwards (cached
+            blocks stay valid). A float, or a ``(k_scale, v_scale)`` pair, fixes the scales of
+            every layer (``1.0``: store the values as they are). :attr:`k_scales` and
+            :attr:`v_scales` hold the tensors.
+
+        max_waiting_requests: most requests waiting for admission; :meth:`add_request`
+            beyond it raises :class:`EngineOverloaded` (``None``: no limit).
+
+    The pool is sized in blocks; :attr:`kv_bytes_per_block` gives the bytes one block takes
+    over all layers (keys and values).
+    """
+
+    def __init__(self, model, *, num_blocks: int, block_size: int = 16,
+                 num_cpu_blocks: int = 0, preemption_mode: str | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                 watermark: float = 0.01,
+                 compile: bool | str | dict = False, eos_token_id=...,
+                 step_callback: Callable[[PagedEngine, StepRecord], None] | None = None,
+                 enable_prefix_caching: bool = False,
+                 kv_cache_dtype: torch.dtype | None = None,
+                 kv_scale: float | tuple[float, float] | str = "auto",
+                 max_waiting_requests: int | None = None):
+        if preemption_mode is None:
+            preemption_mode = "swap" if num_cpu_blocks > 0 else "recompute"
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
+                             f"got {preemption_mode!r}")
+        if preemption_mode == "swap" and num_cpu_blocks <= 0:
+            raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.model = model
+        self.config = config = model.config
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None)
+                            or config.hidden_size // config.num_attention_heads)
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self.num_cpu_blocks = int(num_cpu_blocks)
+        self.preemption_mode = preemption_mode
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.watermark = float(watermark)
+        self.watermark_blocks = math.ceil(watermark * num_blocks)
+        self.step_callback = step_callback
+
+        if eos_token_id is ...:
+            gen = getattr(model, "generation_config", None)
+            eos_token_id = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset([eos_token_id])
+        else:
+            self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
+
+        if kv_cache_dtype is None:
+            kv_cache_dtype = self.dtype
+        if kv_cache_dtype != self.dtype and kv_cache_dtype not in FP8_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be the model's dtype ({self.dtype}) or an "
+                             f"fp8 type ({FP8_DTYPES}), got {kv_cache_dtype}")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scale = kv_scale
+        # fp8: one key and one value scale per layer (calibrated on the first prefill).
+        self.k_scales, self.v_scales, self._calibrate, self._scale_target = make_kv_scales(
+            kv_cache_dtype, kv_scale, self.num_layers, self.device)
+
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                                          enable_prefix_caching=self.enable_prefix_caching)
+        self.key_caches: list[torch.Tensor] = []
+        self.value_caches: list[torch.Tensor] = []
+        for _ in range(self.num_layers):
+            k, v = allocate_kv_cache(self.num_blocks, self.num_kv_heads, self.head_dim,
+                                     self.block_size, kv_cache_dtype, self.device)
+            if compile:
+                # Fixed shapes: no symbolic sizes (nor duck-sizing guards) for the caches.
+                torch._dynamo.mark_static(k)
+                torch._dynamo.mark_static(v)
+            self.key_caches.append(k)
+            self.value_caches.append(v)
+        self.cpu_key_caches: list[torch.Tensor] = []
+        self.cpu_value_caches: list[torch.Tensor] = []
+        if self.num_cpu_blocks:
+            pin = self.device.type == "cuda"
+            for _ in range(self.num_layers):
+                k, v = allocate_kv_cache(self.num_cpu_blocks, self.num_kv_heads, self.head_dim,
+                                         self.block_size, kv_cache_dtype, "cpu")
+                if pin:
+                    k, v = k.pin_memory(), v.pin_memory()
+                self.cpu_key_caches.append(k)
+                self.cpu_value_caches.append(v)
+
+        register_paged_attention(ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.eval()
+
+        # Prefix caching prefills over the paged cache with the multi-token op; where the
+        # device's kernel lacks it (CUDA for now), a gathered-SDPA fallback runs (eagerly).
+        self._native_multi_token = True
+        if self.enable_prefix_caching:
+            self._native_multi_token = self._probe_multi_token()
+
+        self._prefill_fn = self._decode_fn = self._forward
+        self._min_decode_batch = 2 if compile else 1
+        self._compile_prefill = False
+        if compile:
+            opts = dict(compile) if isinstance(compile, dict) else {}
+            opts.setdefault("dynamic", True)
+            compiled = torch.compile(self._forward, **opts)
+            self._decode_fn = compiled
+            if compile != "decode" and self._native_multi_token:
+                self._prefill_fn = compiled
+                self._compile_prefill = True
+        self.compile = compile
+        #: ``(seqs, logits)`` of the latest step: ``seqs`` lists the ``(request, branch)`` of
+        #: each logits row (prefill: one row per admitted sequence, before its forks).
+        self.last_step_logits: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 or None, "
+                             f"got {max_waiting_requests}")
+        self.max_waiting_requests = max_waiting_requests
+        self._next_seq_id = 0
+        self._next_request_id = 0
+        self._requests: dict[int, Request] = {}
+        self._waiting: deque[SeqGroup] = deque()
+        self._swapped: deque[SeqGroup] = deque()
+        self._running: list[SeqGroup] = []
+        self._pending: list[RequestOutput] = []  # outputs of requests finished between steps
+        self._touched: dict[int, Request] = {}
+        self.reset_stats()
+
+    def _probe_multi_token(self) -> bool:
+        """Whether ``torch.ops.paged.attention`` takes ``query_start_loc`` on the model's
+        device: always on the CPU; elsewhere tried once on a one-block cache."""
+        if self.device.type == "cpu":
+            return True
+        dev = self.device
+        k, v = allocate_kv_cache(1, self.num_kv_heads, self.head_dim, self.block_size,
+                                 self.kv_cache_dtype, dev)
+        k.view(torch.uint8).zero_()
+        v.view(torch.uint8).zero_()
+        q = torch.zeros(1, self.num_heads, self.head_dim, dtype=self.dtype, device=dev)
+        one = torch.ones(1, dtype=torch.int32, device=dev)
+        try:
+            torch.ops.paged.attention(
+                q, k, v, torch.zeros(1, 1, dtype=torch.int32, device=dev), one, 1.0, None, -1,
+                0.0, None if self.k_scales is None else self.k_scales[0],
+                None if self.v_scales is None else self.v_scales[0], None,
+                torch.tensor([0, 1], dtype=torch.int32, device=dev))
+        except RuntimeError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block over all layers, keys and values."""
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * elem
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV positions the GPU pool holds: ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+    # ------------------------------------------------------------------ online API
+    def reset_stats(self) -> None:
+        """Start :attr:`stats` afresh (:meth:`generate` does it at its start)."""
+        self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
+        self._t0 = time.perf_counter()
+        self._preemptions_before = 0
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
+
+    def _check_request(self, prompt: list[int], params: SamplingParams, what: str) -> None:
+        """``ValueError`` for a request that is invalid or could never fit the pool."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt:
+            raise ValueError(f"{what} is empty")
+        vocab = getattr(self.config, "vocab_size", None)
+        if vocab is not None and not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"{what} has token ids outside [0, {vocab})")
+        mnt = params.max_new_tokens
+        if not mnt:
+            return
+        # Every sequence of the request may need its own blocks (after a recompute
+        # preemption, beams are prefilled separately).
+        seqs = params.num_beams
+        need = len(prompt) + mnt - 1
+        blocks = seqs * -(-need // self.block_size)
+        if blocks > self.num_blocks:
+            beams = f" x {seqs} beams" if seqs > 1 else ""
+            raise ValueError(
+                f"{what} ({len(prompt)} tokens) with max_new_tokens={mnt} may need "
+                f"{need} KV positions{beams} = {blocks} blocks, but the pool has only "
+                f"{self.num_blocks} blocks of {self.block_size} ({self.capacity_tokens} "
+                f"positions)")
+
+    def _num_waiting_requests(self) -> int:
+        return len({id(g.request) for g in self._waiting})
+
+    def add_request(self, prompt_token_ids: Sequence[int],
+                    params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id (for :meth:`abort` and the outputs of :meth:`step`).
+
+        ``ValueError`` if it is invalid or could never fit the pool (its prompt plus
+        ``max_new_tokens - 1`` positions, for each beam of a beam search);
+        :class:`EngineOverloaded` if ``max_waiting_requests`` requests are waiting. Either way
+        nothing changes."""
+        params = SamplingParams() if params is None else params
+        prompt = [int(t) for t in prompt_token_ids]
+        self._check_request(prompt, params, "prompt_token_ids")
+        if self.max_waiting_requests is not None \
+                and self._num_waiting_requests() >= self.max_waiting_requests:
+            self.stats.rejected_requests += 1
+            raise EngineOverloaded(
+                f"PagedEngine overloaded: {self._num_waiting_requests()} requests are waiting "
+                f"(max_waiting_requests={self.max_waiting_requests}); retry after step() has "
+                f"admitted some")
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        rid = self._next_request_id
+        self._next_request_id += 1
+        req = Request(rid, prompt, params, seed, self._stop_ids(params))
+        self.stats.prompt_tokens += len(prompt)
+        if params.max_new_tokens == 0:
+            req.finished = True
+            if req.beam is not None:
+                req.beam.done = True
+            self._pending.append(self._output(req))
+            return rid
+        first = Branch(self._new_id(), req, 0, prompt, [], self._generator(req, 0))
+        req.branches.append(first)
+        self._requests[rid] = req
+        self._waiting.append(SeqGroup(req, [first]))
+        return rid
+
+    def _generator(self, req: Request, index: int) -> torch.Generator | None:
+        if req.params.greedy or req.beam is not None:
+            return None
+        return branch_generator(req.seed, index, self.device)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request is waiting, running or swapped out."""
+        return bool(self._waiting or self._running or self._swapped)
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now, whether it is waiting, running or swapped out: its blocks are
+        freed at once; the next :meth:`step` reports it with finish reason ``"abort"`` for its
+        unfinished branches. No-op for a finished request; ``KeyError`` for an unknown id."""
+        req = self._requests.get(request_id)
+        if req is None:
+            if isinstance(request_id, int) and 0 <= request_id < self._next_request_id:
+                return  # finished (and reported) already
+            raise KeyError(f"unknown request id {request_id!r}")
+        bm = self.block_manager
+        groups = [g for g in (*self._waiting, *self._swapped, *self._running)
+                  if g.request is req]
+        for queue in (self._waiting, self._swapped):
+            keep = [g for g in queue if g.request is not req]
+            queue.clear()
+            queue.extend(keep)
+        self._running[:] = [g for g in self._running if g.request is not req]
+        for b in [b for g in groups for b in g.branches] + req.branches:
+            if b.seq_id in bm:
+                bm.free(b.seq_id)
+            if b.finish_reason is None:
+                b.finish_reason = "abort"
+        req.aborted = req.finished = True
+        self.stats.aborted_requests += 1
+        self._touched.pop(req.request_id, None)
+        self._pending.append(self._output(req))
+        del self._requests[request_id]
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (a packed prefill or a decode step); returns a
+        :class:`RequestOutput` for every request that got tokens or finished (aborted ones
+        included). With nothing to run it returns the pending outputs only.
+
+        An exception from the model leaves the pool empty: every request is dropped."""
+        outputs, self._pending = self._pending, []
+        if not self.has_unfinished_requests():
+            return outputs
+        try:
+            with torch.no_grad():
+                self._step()
+        except BaseException:
+            self._drop_everything()
+            raise
+        touched, self._touched = self._touched, {}
+        for req in touched.values():
+            if req.beam is not None and not req.finished:
+                continue  # a beam search reports once, when it ends
+            outputs.append(self._output(req))
+            if req.finished:
+                self._requests.pop(req.request_id, None)
+        return outputs
+
+    def _drop_everything(self) -> None:
+        bm = self.block_manager
+        for sid in bm.seq_ids():
+            bm.free(sid)
+        # Blocks registered by the failed step may never have had their K/V written.
+        bm.reset_prefix_cache()
+        self._waiting.clear()
+        self._swapped.clear()
+        self._running.clear()
+        self._requests.clear()
+        self._touched = {}
+
+    def _output(self, req: Request) -> RequestOutput:
+        toks, reasons = req.token_ids()
+        new = [t[r:] for t, r in zip(toks, req.reported, strict=True)]
+        req.reported = [len(t) for t in toks]
+        return RequestOutput(req.request_id, req.prompt, toks, new, req.finished, reasons)
+
+    def stream(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Run ``prompts`` (one ``params`` for all, or one per prompt) and yield their
+        :class:`RequestOutput` s as tokens arrive. Requests are added as
+        ``max_waiting_requests`` allows; every prompt is checked before any is added. Other
+        requests of the engine progress too (their outputs are not yielded). Closing the
+        iterator early aborts its unfinished requests."""
+        prompts = [[int(t) for t in p] for p in prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        else:
+            params = list(params)
+            if len(params) != len(prompts):
+                raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            self._check_request(p, sp, f"prompt {i}")
+        todo = deque(zip(prompts, params, strict=True))
+        mine: set[int] = set()
+        try:
+            while todo or mine:
+                while todo and (self.max_waiting_requests is None or
+                                self._num_waiting_requests() < self.max_waiting_requests):
+                    p, sp = todo.popleft()
+                    mine.add(self.add_request(p, sp))
+                for out in self.step():
+                    if out.request_id in mine:
+                        if out.finished:
+                            mine.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in mine:
+                if rid in self._requests:
+                    self.abort(rid)
+            if mine:
+                self._pending = [o for o in self._pending if o.request_id not in mine]
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 max_new_tokens: int | None = None, *, n: int = 1,
+                 params: SamplingParams | None = None) -> list[list[list[int]]]:
+        """Generate for every prompt; returns ``result[i][j]``: the new token ids of branch
+        ``j`` of prompt ``i`` (beam search: the ``n`` best beams, best first).
+
+        ``params`` governs when given; otherwise greedy with ``max_new_tokens`` and ``n``
+        (``n`` greedy branches are equal, but still run as separate sequences sharing the
+        prompt's blocks). A branch ends after ``max_new_tokens`` tokens or at an EOS or stop
+        token (included in its output). Runs on an idle engine (``RuntimeError`` otherwise)
+        and resets :attr:`stats`; ``ValueError`` if a prompt is empty or could never fit the
+        pool (nothing runs then). Built on :meth:`stream`."""
+        if params is None:
+            params = SamplingParams(
+                max_new_tokens=SamplingParams.max_new_tokens if max_new_tokens is None
+                else max_new_tokens, n=n)
+        if self.has_unfinished_requests():
+            raise RuntimeError("PagedEngine.generate needs an idle engine: requests added "
+                               "with add_request are unfinished (step() them or abort them)")
+        prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        for i, p in enumerate(prompts):
+            self._check_request(p, params, f"prompt {i}")
+        self.reset_stats()
+        first = self._next_request_id
+        results: list[list[list[int]]] = [[[] for _ in range(params.n)] for _ in prompts]
+        for out in self.stream(prompts, params):
+            if out.finished:
+                results[out.request_id - first] = out.token_ids
+        self.stats.elapsed_s = time.perf_counter() - self._t0
+        return results
+
+    # ------------------------------------------------------------------ the step
+    def _new_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def _step(self) -> None:
+        batch, cached = self._schedule()
+        if batch:
+            branches = [b for g in batch for b in g.branches]
+            if self.enable_prefix_caching:
+                logits = self._prefill_paged(branches, cached)
+            else:
+                logits = self._prefill(branches)
+            self.last_step_logits = (
+                [(b.request.request_id, b.index) for b in branches], logits)
+            self._after_forward(batch, logits)
+        elif self._running:
+            branches = self._reserve_decode_slots()
+            logits = self._decode_forward(branches)
+            self.last_step_logits = (
+                [(b.request.request_id, b.index) for b in branches], logits)
+            groups, self._running = self._running, []
+            self._after_forward(groups, logits)
+        else:
+            raise RuntimeError(
+                "PagedEngine: no request can be scheduled (waiting "
+                f"{len(self._waiting)}, swapped {len(self._swapped)}, free blocks "
+                f"{self.block_manager.num_free_blocks})")
+        self._record("prefill" if batch else "decode", self._step_tokens)
+
+    def _after_forward(self, groups: list[SeqGroup], logits: torch.Tensor) -> None:
+        """Turn each group's logits rows (in order) into tokens; groups still running go
+        (back) to ``running``, in the same order."""
+        bm = self.block_manager
+        st = self.stats
+        sample_rows: list[int] = []
+        sample_branches: list[Branch] = []
+        per_group: list[list[Branch]] = []
+        row = 0
+        for group in groups:
+            req = group.request
+            rows = len(group.branches)
+            if req.beam is not None:
+                self._beam_step(group, logits[row: row + rows])
+                per_group.append([])
+            elif not req.started:
+                # The prompt's prefill: fork the other branches; each samples its own token.
+                first = group.branches[0]
+                for j in range(1, req.params.n):
+                    child = Branch(self._new_id(), req, j, req.prompt, [],
+                                   self._generator(req, j))
+                    bm.fork(first.seq_id, child.seq_id)
+                    st.forks += 1
+                    req.branches.append(child)
+                per_group.append(list(req.branches))
+                sample_rows.extend([row] * len(req.branches))
+            else:
+                per_group.append(group.branches)
+                sample_rows.extend(range(row, row + rows))
+            sample_branches.extend(per_group[-1])
+            req.started = True
+            self._touched[req.request_id] = req
+            row += rows
+        toks = []
+        if sample_branches:
+            toks = sample_next_tokens(logits[sample_rows].float(),
+                                      [b.request.params for b in sample_branches],
+                                      [b.generator for b in sample_branches])
+        it = iter(toks)
+        for group, branches in zip(groups, per_group, strict=True):
+            req = group.request
+            if req.beam is not None:
+                if not req.finished:
+                    self._running.append(group)
+                continue
+            for b in branches:
+                b.output.append(next(it))
+                st.tokens_generated += 1
+                if not self._finish_if_done(b):
+                    self._running.append(SeqGroup(req, [b]))
+            if all(b.finish_reason is not None for b in req.branches):
+                req.finished = True
+
+    def _finish_if_done(self, b: Branch) -> bool:
+        """After a token was appended: free the branch if it is done."""
+        p = b.request.params
+        tok = b.output[-1]
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            b.finish_reason = "stop"
+        elif len(b.output) >= p.max_new_tokens:
+            b.finish_reason = "length"
+        else:
+            return False
+        self.block_manager.free(b.seq_id)
+        return True
+
+    def _beam_step(self, group: SeqGroup, logits: torch.Tensor) -> None:
+        """One beam-search step of a group: the next beams fork from their parents (a
+        parent's first child continues the parent's sequence, later ones share its blocks
+        through ``fork``), parents without children are freed. Before the first step the
+        group is the prompt alone, parent of every beam."""
+        bm = self.block_manager
+        req = group.request
+        beam = req.beam
+        k = beam.num_beams
+        parents = group.branches
+        if not req.started:
+            parents = parents * k
+            logits = logits.expand(k, -1)
+        par, toks = beam.step(logits, [p.output for p in parents])
+        self.stats.tokens_generated += k
+        if beam.done:
+            for sid in {p.seq_id for p in parents}:
+                bm.free(sid)
+            group.branches = []
+            req.finished = True
+            return
+        used: set[int] = set()
+        children: list[Branch] = []
+        for j, pi in enumerate(par):
+            p = parents[pi]
+            if p.seq_id not in used:
+                used.add(p.seq_id)
+                p.index = j
+                children.append(p)
+            else:
+                child = Branch(self._new_id(), req, j, req.prompt, list(p.output))
+                bm.fork(p.seq_id, child.seq_id)
+                self.stats.forks += 1
+                children.append(child)
+        for sid in {p.seq_id for p in parents} - used:
+            bm.free(sid)
+        for b, tok in zip(children, toks, strict=True):
+            b.output.append(tok)
+        group.branches = children
+
+    # ------------------------------------------------------------------ stats
+    def _record(self, kind: str, num_tokens: int) -> None:
+        st = self.stats
+        bm = self.block_manager
+        bst = bm.stats()
+        st.steps += 1
+        if kind == "prefill":
+            st.prefill_steps += 1
+        else:
+            st.decode_steps += 1
+        contiguous = unshared = beam_blocks = beam_unshared = 0
+        for g in self._running:
+            p = g.request.params
+            tables = [bm.block_table(b.seq_id) for b in g.branches]
+            contiguous += len(g.branches) * (len(g.request.prompt) + p.max_new_tokens)
+            n = sum(map(len, tables))
+            unshared += n
+            if g.request.beam is not None:
+                beam_unshared += n
+                beam_blocks += len({x for t in tables for x in t})
+        running = sum(len(g.branches) for g in self._running)
+        rec = StepRecord(step=st.steps, kind=kind, num_tokens=num_tokens,
+                         used_blocks=bst.used_blocks, tail_waste_slots=bst.tail_waste_slots,
+                         stored_tokens=bst.stored_tokens, contiguous_slots=contiguous,
+                         running=running, waiting=sum(len(g.branches) for g in self._waiting),
+                         swapped=sum(len(g.branches) for g in self._swapped),
+                         preempted=st.preemptions - self._preemptions_before,
+                         time_s=time.perf_counter() - self._t0, unshared_blocks=unshared,
+                         beam_blocks=beam_blocks, beam_unshared_blocks=beam_unshared)
+        self._preemptions_before = st.preemptions
+        st.timeline.append(rec)
+        st.peak_used_blocks = max(st.peak_used_blocks, bst.used_blocks)
+        st.peak_running = max(st.peak_running, running)
+        st.peak_contiguous_slots = max(st.peak_contiguous_slots, contiguous)
+        st.peak_unshared_blocks = max(st.peak_unshared_blocks, unshared)
+        if beam_blocks > st.peak_beam_blocks:
+            st.peak_beam_blocks, st.peak_beam_unshared_blocks = beam_blocks, beam_unshared
+        st.elapsed_s = rec.time_s
+        if self.step_callback is not None:
+            self.step_callback(self, rec)

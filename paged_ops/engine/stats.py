@@ -1,0 +1,108 @@
+"""Counters and the per-step timeline of a :class:`~paged_ops.engine.PagedEngine`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    """One engine step, for the blocks-in-use timeline.
+
+    ``kind``: ``"prefill"`` or ``"decode"``; ``num_tokens``: tokens fed to the model;
+    ``used_blocks``: GPU blocks in use after the step; ``tail_waste_slots``: unused slots of the
+    partially filled tail blocks; ``stored_tokens``: KV positions held (shared blocks once);
+    ``contiguous_slots``: what a contiguous max-length reservation (prompt + max_new_tokens
+    per resident sequence, seed 000 §3) would hold for the same sequences; ``running``,
+    ``waiting``, ``swapped``: queue sizes after the step; ``preempted``: sequences preempted
+    during the step; ``time_s``: seconds since the start. ``unshared_blocks``: blocks the
+    running sequences would hold without sharing (the sum of their block-table lengths; fork
+    and prefix caching make ``used_blocks`` smaller); ``beam_blocks`` /
+    ``beam_unshared_blocks``: the same two figures for the beams of beam searches alone
+    (distinct blocks of each beam group vs its beams as independent sequences).
+    """
+
+    step: int
+    kind: str
+    num_tokens: int
+    used_blocks: int
+    tail_waste_slots: int
+    stored_tokens: int
+    contiguous_slots: int
+    running: int
+    waiting: int
+    swapped: int
+    preempted: int
+    time_s: float
+    unshared_blocks: int = 0
+    beam_blocks: int = 0
+    beam_unshared_blocks: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was created or :meth:`PagedEngine.reset_stats` (which
+    :meth:`PagedEngine.generate` calls at its start).
+
+    ``preemptions`` = ``recompute_preemptions + swap_preemptions``; ``cow_copies``: blocks
+    copied on write; ``deferred_admissions``: steps that ended with requests still waiting
+    (the pool, the watermark, ``max_num_seqs`` or the prefill token budget kept them out);
+    ``peak_used_blocks``: most GPU blocks in use after any step; ``peak_contiguous_slots``:
+    most slots a contiguous max-length reservation would have needed at any step;
+    ``timeline``: one :class:`StepRecord` per step. ``peak_unshared_blocks``: most blocks
+    the running sequences would have held without sharing; ``peak_beam_blocks``: most blocks
+    held by beam groups at one step, and ``peak_beam_unshared_blocks`` what their beams would
+    have held as independent sequences at that step. ``aborted_requests``: :meth:`abort` ed;
+    ``rejected_requests``: refused by ``max_waiting_requests``.
+
+    ``prefill_tokens``: positions computed by prefill steps (prompts, and prompt + generated
+    tokens of sequences readmitted after a recompute preemption); ``cached_prompt_tokens``:
+    positions of admitted sequences whose K/V came from the prefix cache instead (not
+    computed; 0 without ``enable_prefix_caching``). Every admission covers
+    ``prefill_tokens + cached_prompt_tokens`` positions in all.
+    """
+
+    num_blocks: int = 0
+    block_size: int = 0
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    tokens_generated: int = 0
+    preemptions: int = 0
+    recompute_preemptions: int = 0
+    swap_preemptions: int = 0
+    swap_ins: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    cow_copies: int = 0
+    forks: int = 0
+    deferred_admissions: int = 0
+    peak_used_blocks: int = 0
+    peak_running: int = 0
+    peak_contiguous_slots: int = 0
+    peak_unshared_blocks: int = 0
+    peak_beam_blocks: int = 0
+    peak_beam_unshared_blocks: int = 0
+    aborted_requests: int = 0
+    rejected_requests: int = 0
+    elapsed_s: float = 0.0
+    timeline: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.tokens_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of the admitted positions served from the prefix cache."""
+        total = self.prefill_tokens + self.cached_prompt_tokens
+        return self.cached_prompt_tokens / total if total else 0.0
+
+    @property
+    def peak_used_slots(self) -> int:
+        """Slots of the peak number of blocks in use."""
+        return self.peak_used_blocks * self.block_size
