@@ -2,11 +2,12 @@
 
 The test saves a tiny random Llama (GQA: 4 query heads, 2 KV heads), launches
 ``torchrun --nproc-per-node 2`` on ``tests/tp_worker.py`` (each rank loads the model with
-transformers' ``tp_plan="auto"``), and checks every rank's tokens against one process's
-transformers ``generate``: greedy with two branches per prompt, a pool small enough to preempt,
-prefix caching on. Each rank caches one KV head (half the bytes of one process), every step is
-scheduled identically with bitwise identical logits on both ranks, and a model whose KV heads
-do not divide by the world size is refused with a ValueError.
+transformers' ``tp_plan="auto"``) and checks every rank's tokens, with a pool small enough to
+preempt and prefix caching on, against one process: transformers' ``generate`` for greedy
+(two branches per prompt), one process's engine for seeded sampling and beam search. Each rank
+caches one KV head (half the bytes of one process), every step is scheduled identically with
+bitwise identical logits on both ranks, and a model whose KV heads do not divide by the world
+size is refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -112,6 +113,21 @@ def test_prefix_cache_hits_equal_one_process(ranks):
     for res in results:
         assert res["shared_cached_prompt_tokens"] > 0
         assert res["shared"] == ref["shared"], f"rank {res['rank']}"
+
+
+def test_seeded_sampling_equals_one_process(ranks):
+    results, ref = ranks
+    for res in results:
+        assert res["sampled_preemptions"] > 0
+        assert res["sampled"] == ref["sampled"], f"rank {res['rank']}"
+    assert any(b[0] != b[1] for b in ref["sampled"])  # the branches really sample
+
+
+def test_unseeded_sampling_and_beam_search_agree(ranks):
+    results, ref = ranks
+    assert results[1]["unseeded"] == results[0]["unseeded"]
+    for res in results:
+        assert res["beam"] == ref["beam"], f"rank {res['rank']}"
 
 
 def test_ranks_schedule_identically_with_identical_logits(ranks):

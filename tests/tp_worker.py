@@ -1,11 +1,13 @@
 """One rank of tests/test_tp.py, launched by ``torchrun --nproc-per-node 2`` (gloo, CPU).
 
 ``python tp_worker.py MODEL_DIR INDIVISIBLE_MODEL_DIR OUT_DIR``: loads ``MODEL_DIR`` sharded
-by transformers' tensor-parallel plan, runs :class:`PagedEngine` on it (a pool small enough to
-preempt, prefix caching on, two branches per prompt, then requests sharing a system prompt),
-checks after every step that all ranks scheduled the same step and got bitwise identical
-logits, and writes ``OUT_DIR/rank<r>.json``. Rank 0 also writes the single-process references
-(transformers' ``generate`` of the unsharded model). The test process compares them.
+by transformers' tensor-parallel plan and runs :class:`PagedEngine` on it with a pool small
+enough to preempt and prefix caching on: greedy with two branches per prompt, requests sharing
+a system prompt, seeded sampling with two branches, unseeded sampling, beam search. After every
+step it checks that all ranks scheduled the same step and got bitwise identical logits. Writes
+``OUT_DIR/rank<r>.json``; rank 0 also writes the single-process references (transformers'
+``generate`` of the unsharded model for greedy, one process's engine on it for sampling and
+beam search). The test process compares them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ MAX_NEW = 14
 N_BRANCHES = 2
 NUM_BLOCKS, BLOCK_SIZE = 20, 8
 SYSTEM_LEN, SHARED_MAX_NEW = 24, 6
+BEAM_PROMPTS, BEAM_MAX_NEW = 2, 6
+
+
+def _params():
+    """Seeded sampling (two branches), and a beam search."""
+    from paged_ops.engine import SamplingParams
+
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_k=40, top_p=0.95,
+                             n=N_BRANCHES, seed=11)
+    beam = SamplingParams(max_new_tokens=BEAM_MAX_NEW, num_beams=3, n=2)
+    return sampled, beam
 
 
 def _prompts():
@@ -75,7 +88,12 @@ def _reference(model_dir, prompts, shared):
         refs = [gen(p, MAX_NEW) for p in prompts]
         shared_refs = [gen(p, SHARED_MAX_NEW) for p in shared]
     single = PagedEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    # Sampling and beam search: one process's engine with a pool that never preempts.
+    roomy = PagedEngine(model, num_blocks=8 * NUM_BLOCKS, block_size=BLOCK_SIZE)
+    sampled, beam = _params()
     return {"greedy": refs, "shared": shared_refs,
+            "sampled": roomy.generate(prompts, params=sampled),
+            "beam": roomy.generate(prompts[:BEAM_PROMPTS], params=beam),
             "kv_bytes_per_block": single.kv_bytes_per_block,
             "num_kv_heads": single.num_kv_heads}
 
@@ -92,9 +110,8 @@ def main(model_dir: str, bad_dir: str, out_dir: str) -> None:
     check = _StepCheck()
     engine = PagedEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                          enable_prefix_caching=True, step_callback=check)
-    out = {"rank": rank, "world_size": dist.get_world_size(), "tp_world_size": engine.tp.world_size,
-           "tp_rank": engine.tp.rank, "num_heads": engine.num_heads,
-           "num_kv_heads": engine.num_kv_heads,
+    out = {"rank": rank, "tp_world_size": engine.tp.world_size, "tp_rank": engine.tp.rank,
+           "num_heads": engine.num_heads, "num_kv_heads": engine.num_kv_heads,
            "kv_bytes_per_block": engine.kv_bytes_per_block,
            "cache_shape": list(engine.key_caches[0].shape)}
     out["greedy"] = engine.generate(prompts, MAX_NEW, n=N_BRANCHES)
@@ -104,6 +121,14 @@ def main(model_dir: str, bad_dir: str, out_dir: str) -> None:
                            "steps": st.steps}
     out["shared"] = [b[0] for b in engine.generate(shared, SHARED_MAX_NEW)]
     out["shared_cached_prompt_tokens"] = engine.stats.cached_prompt_tokens
+    sampled, beam = _params()
+    out["sampled"] = engine.generate(prompts, params=sampled)
+    out["sampled_preemptions"] = engine.stats.preemptions
+    # No seed: each rank's default generator differs, the engine shares rank 0's seed.
+    torch.manual_seed(100 + rank)
+    sampled.seed = None
+    out["unseeded"] = engine.generate(prompts[:3], params=sampled)
+    out["beam"] = engine.generate(prompts[:BEAM_PROMPTS], params=beam)
     out["steps_checked"] = check.steps
     out["schedule_mismatches"] = check.schedule_mismatches
     out["logit_mismatches"] = check.logit_mismatches

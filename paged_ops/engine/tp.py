@@ -11,7 +11,7 @@ rank holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +24,8 @@ class TPLayout:
 
     ``world_size``/``rank``: of the model's tensor-parallel group (1/0 unsharded);
     ``num_heads``/``num_kv_heads``: the query/key-value heads this rank computes and caches;
-    ``head_dim``: per head (never sharded).
+    ``head_dim``: per head (never sharded); ``group``: the tensor-parallel process group
+    (``None`` unsharded).
     """
 
     world_size: int
@@ -32,6 +33,17 @@ class TPLayout:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    group: object = field(default=None, compare=False, repr=False)
+
+    def shared_seed(self, device) -> int:
+        """A random seed, the same on every rank: rank 0's draw from torch's default
+        generator, broadcast (the ranks' default generators need not agree)."""
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64)
+        if self.world_size > 1:
+            import torch.distributed as dist
+            seed = seed.to(device)
+            dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return int(seed.item())
 
 
 def _local_rows(weight: torch.Tensor) -> int:
@@ -40,15 +52,17 @@ def _local_rows(weight: torch.Tensor) -> int:
     return int((to_local() if callable(to_local) else weight).shape[0])
 
 
-def _tp_group(model) -> tuple[int, int]:
-    """``(world size, rank)`` of the model's tensor-parallel mesh, ``(1, 0)`` without one."""
+def _tp_group(model) -> tuple[int, int, object]:
+    """``(world size, rank, process group)`` of the model's tensor-parallel mesh, ``(1, 0,
+    None)`` without one."""
     size = int(getattr(model, "_tp_size", None) or 1)
     if size == 1:
-        return 1, 0
+        return 1, 0, None
     mesh = getattr(model, "_device_mesh", None)
     if mesh is not None:
-        return size, int(mesh.get_local_rank())
-    return size, int(torch.distributed.get_rank())
+        return size, int(mesh.get_local_rank()), mesh.get_group()
+    import torch.distributed as dist
+    return size, int(dist.get_rank()), dist.group.WORLD
 
 
 def _attention_module(model):
@@ -70,7 +84,7 @@ def tp_layout(model, num_heads: int, num_kv_heads: int, head_dim: int) -> TPLayo
     from the attention projections' local rows (``k_proj`` rows / ``head_dim``), checked
     against ``count / world_size``.
     """
-    world, rank = _tp_group(model)
+    world, rank, group = _tp_group(model)
     if world == 1:
         return TPLayout(1, 0, num_heads, num_kv_heads, head_dim)
     for name, count in (("num_attention_heads", num_heads), ("num_key_value_heads",
@@ -95,4 +109,4 @@ def tp_layout(model, num_heads: int, num_kv_heads: int, head_dim: int) -> TPLayo
                 f"tensor parallel: rank {rank} holds {local_heads} query / {local_kv} KV heads "
                 f"but the config's {num_heads} / {num_kv_heads} heads over {world} ranks give "
                 f"{num_heads // world} / {num_kv_heads // world}: an unsupported sharding plan")
-    return TPLayout(world, rank, local_heads, local_kv, head_dim)
+    return TPLayout(world, rank, local_heads, local_kv, head_dim, group)
