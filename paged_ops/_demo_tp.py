@@ -1,8 +1,9 @@
 """``torchrun --nproc-per-node N -m paged_ops.demo --tp N``: PagedEngine on a tensor-parallel model.
 
-Every rank builds the same seeded tiny Llama (8 query heads, 2 KV heads), saves it to a
-temporary directory of its own (no shared file system needed) and loads it with transformers'
-``tp_plan="auto"``, which shards each attention layer's heads over the ranks. Every rank runs
+Every rank builds the same seeded tiny Llama (8 query heads and 2 KV heads; 4N and N on N > 2
+ranks), saves it to a temporary directory of its own (no shared file system needed) and loads
+it with transformers' ``tp_plan="auto"``, which shards each attention layer's heads over the
+ranks. Every rank runs
 the same :class:`~paged_ops.engine.PagedEngine` schedule on its own KV heads; rank 0 prints the
 tokens against one process's transformers ``generate`` and each rank's KV bytes.
 """
@@ -15,6 +16,23 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+import paged_ops
+
+
+def _tiny_llama(tp: int):
+    """A random-weight Llama whose heads divide by ``tp``: 2 KV heads (``tp`` <= 2) or ``tp``
+    of them, and 4 query heads per KV head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    kv_heads = 2 if tp <= 2 else tp
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64 * kv_heads, intermediate_size=128 * kv_heads,
+                      num_hidden_layers=4, num_attention_heads=4 * kv_heads,
+                      num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=2048,
+                      initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
 
 def run_tp_demo(tp: int) -> bool:
     """Run on every rank of a ``torchrun`` launch of ``tp`` processes; True if tokens match."""
@@ -24,10 +42,9 @@ def run_tp_demo(tp: int) -> bool:
                          f"torchrun --nproc-per-node {tp} -m paged_ops.demo --tp {tp}")
     from transformers import AutoModelForCausalLM
 
-    from .demo import _tiny_llama
     from .engine import PagedEngine
 
-    plain = _tiny_llama("cpu")  # the same seeded weights on every rank
+    plain = _tiny_llama(tp)  # the same seeded weights on every rank
     with tempfile.TemporaryDirectory() as path:
         plain.save_pretrained(path)
         # transformers initialises the process group (gloo on CPU, NCCL on CUDA) from
@@ -35,6 +52,8 @@ def run_tp_demo(tp: int) -> bool:
         model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     rank = dist.get_rank()
     device = next(model.parameters()).device
+    if device.type == "cuda" and not paged_ops.built_with_cuda():
+        raise SystemExit("the model is on CUDA but paged_ops was built without CUDA kernels")
     g = torch.Generator().manual_seed(7)
     lens = torch.randint(6, 60, (8,), generator=g).tolist()
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
