@@ -7,7 +7,8 @@ preempt and prefix caching on, against one process: transformers' ``generate`` f
 (two branches per prompt), one process's engine for seeded sampling and beam search. Each rank
 caches one KV head (half the bytes of one process), every step is scheduled identically with
 bitwise identical logits on both ranks, and a model whose KV heads do not divide by the world
-size is refused with a ValueError.
+size is refused with a ValueError. The 2-rank tests skip without transformers, accelerate or
+gloo; the tests of ``tp_layout`` alone (on stand-in modules) always run.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers' tp_plan needs it
+from paged_ops.engine.tp import tp_layout
 
 WORLD = 2
 TIMEOUT_S = 180
@@ -37,8 +37,6 @@ def _distributed_available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
-pytestmark = pytest.mark.skipif(not _distributed_available(),
-                                reason="torch.distributed with gloo is not available")
 
 
 def _save_llama(path: Path, num_kv_heads: int) -> None:
@@ -62,6 +60,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run the 2-rank worker once; returns (per-rank results, rank 0's references)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' tp_plan needs it
+    if not _distributed_available():
+        pytest.skip("torch.distributed with gloo is not available")
     tmp = tmp_path_factory.mktemp("tp")
     _save_llama(tmp / "model", num_kv_heads=2)
     _save_llama(tmp / "mqa", num_kv_heads=1)  # 1 KV head cannot be split over 2 ranks
@@ -143,3 +145,57 @@ def test_indivisible_kv_heads_are_refused(ranks):
     for res in results:
         msg = res["indivisible_error"]
         assert msg is not None and "num_key_value_heads=1" in msg and "world size 2" in msg
+
+
+# --------------------------------------------------------------------------- tp_layout alone
+class _Mesh:
+    def __init__(self, rank):
+        self.rank = rank
+
+    def get_local_rank(self):
+        return self.rank
+
+    def get_group(self):
+        return None
+
+
+class _Attention(torch.nn.Module):
+    """An attention layer as a rank of a 2-way sharded model holds it: local q/k rows."""
+
+    def __init__(self, q_rows, k_rows, head_dim=16):
+        super().__init__()
+        self.layer_idx = 0
+        self.head_dim = head_dim
+        self.q_proj = torch.nn.Linear(64, q_rows, bias=False)
+        self.k_proj = torch.nn.Linear(64, k_rows, bias=False)
+
+
+def _sharded(attn, rank=1):
+    model = torch.nn.Sequential(attn)
+    model._tp_size, model._device_mesh = WORLD, _Mesh(rank)
+    return model
+
+
+def test_tp_layout_unsharded_keeps_the_config_counts():
+    lay = tp_layout(torch.nn.Sequential(_Attention(64, 32)), 4, 2, 16)
+    assert (lay.world_size, lay.rank, lay.num_heads, lay.num_kv_heads) == (1, 0, 4, 2)
+
+
+def test_tp_layout_reads_the_local_projections():
+    lay = tp_layout(_sharded(_Attention(32, 16)), 4, 2, 16)
+    assert (lay.world_size, lay.rank, lay.num_heads, lay.num_kv_heads) == (2, 1, 2, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,name", [(3, 1, "num_attention_heads=3"),
+                                                 (4, 1, "num_key_value_heads=1")])
+def test_tp_layout_refuses_counts_not_divisible_by_the_world(heads, kv_heads, name):
+    with pytest.raises(ValueError, match=f"{name} is not divisible by the tensor-parallel "
+                                         f"world size 2"):
+        tp_layout(_sharded(_Attention(32, 8)), heads, kv_heads, 16)
+
+
+def test_tp_layout_refuses_partial_heads_and_foreign_plans():
+    with pytest.raises(ValueError, match="not whole heads of head_dim 16"):
+        tp_layout(_sharded(_Attention(32, 8)), 4, 2, 16)
+    with pytest.raises(ValueError, match="unsupported sharding plan"):
+        tp_layout(_sharded(_Attention(32, 32)), 4, 2, 16)  # KV heads replicated, not split
