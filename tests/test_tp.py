@@ -98,6 +98,7 @@ def test_each_rank_caches_its_own_kv_heads(ranks):
         assert res["num_heads"] == 2 and res["num_kv_heads"] == 1
         assert res["cache_shape"][1] == 1  # [num_blocks, kv heads, head_dim / x, block, x]
         assert res["kv_bytes_per_block"] * WORLD == ref["kv_bytes_per_block"]
+        assert res["layout_from_weights"] == [WORLD, r, 2, 1]
 
 
 def test_greedy_tokens_equal_one_process(ranks):

@@ -114,6 +114,12 @@ def main(model_dir: str, bad_dir: str, out_dir: str) -> None:
            "num_heads": engine.num_heads, "num_kv_heads": engine.num_kv_heads,
            "kv_bytes_per_block": engine.kv_bytes_per_block,
            "cache_shape": list(engine.key_caches[0].shape)}
+    # Without transformers' _tp_size the layout comes from the DTensor weights' mesh.
+    from paged_ops.engine.tp import tp_layout
+    model._tp_size, saved = None, model._tp_size
+    lay = tp_layout(model, 4, 2, 16)
+    model._tp_size = saved
+    out["layout_from_weights"] = [lay.world_size, lay.rank, lay.num_heads, lay.num_kv_heads]
     out["greedy"] = engine.generate(prompts, MAX_NEW, n=N_BRANCHES)
     st = engine.stats
     out["greedy_stats"] = {"preemptions": st.preemptions, "cow_copies": st.cow_copies,

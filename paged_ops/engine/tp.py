@@ -52,13 +52,18 @@ def _local_rows(weight: torch.Tensor) -> int:
     return int((to_local() if callable(to_local) else weight).shape[0])
 
 
-def _tp_group(model) -> tuple[int, int, object]:
+def _tp_group(model, attn) -> tuple[int, int, object]:
     """``(world size, rank, process group)`` of the model's tensor-parallel mesh, ``(1, 0,
-    None)`` without one."""
+    None)`` without one: transformers' ``_tp_size``/``_device_mesh``, else the mesh of a
+    DTensor ``k_proj`` weight (``attn``: an attention layer or ``None``)."""
     size = int(getattr(model, "_tp_size", None) or 1)
+    mesh = getattr(model, "_device_mesh", None) if size > 1 else None
+    if size == 1 and attn is not None:
+        mesh = getattr(attn.k_proj.weight, "device_mesh", None)
+        if mesh is not None and mesh.ndim == 1:
+            size = mesh.size()
     if size == 1:
         return 1, 0, None
-    mesh = getattr(model, "_device_mesh", None)
     if mesh is not None:
         return size, int(mesh.get_local_rank()), mesh.get_group()
     import torch.distributed as dist
@@ -84,7 +89,8 @@ def tp_layout(model, num_heads: int, num_kv_heads: int, head_dim: int) -> TPLayo
     from the attention projections' local rows (``k_proj`` rows / ``head_dim``), checked
     against ``count / world_size``.
     """
-    world, rank, group = _tp_group(model)
+    attn = _attention_module(model)
+    world, rank, group = _tp_group(model, attn)
     if world == 1:
         return TPLayout(1, 0, num_heads, num_kv_heads, head_dim)
     for name, count in (("num_attention_heads", num_heads), ("num_key_value_heads",
@@ -95,7 +101,6 @@ def tp_layout(model, num_heads: int, num_kv_heads: int, head_dim: int) -> TPLayo
                 f"tensor-parallel world size {world}; every rank must hold whole heads "
                 f"(use a world size that divides {count})")
     local_heads, local_kv = num_heads // world, num_kv_heads // world
-    attn = _attention_module(model)
     if attn is not None:
         head_dim = int(getattr(attn, "head_dim", head_dim))
         q_rows, k_rows = _local_rows(attn.q_proj.weight), _local_rows(attn.k_proj.weight)
