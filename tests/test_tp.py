@@ -3,12 +3,13 @@
 The test saves a tiny random Llama (GQA: 4 query heads, 2 KV heads), launches
 ``torchrun --nproc-per-node 2`` on ``tests/tp_worker.py`` (each rank loads the model with
 transformers' ``tp_plan="auto"``) and checks every rank's tokens, with a pool small enough to
-preempt and prefix caching on, against one process: transformers' ``generate`` for greedy
-(two branches per prompt), one process's engine for seeded sampling and beam search. Each rank
-caches one KV head (half the bytes of one process), every step is scheduled identically with
-bitwise identical logits on both ranks, and a model whose KV heads do not divide by the world
-size is refused with a ValueError. The 2-rank tests skip without transformers, accelerate or
-gloo; the tests of ``tp_layout`` alone (on stand-in modules) always run.
+preempt (by recompute; by swapping in one run) and prefix caching on, against one process:
+transformers' ``generate`` for greedy (two branches per prompt), one process's engine for
+seeded sampling and beam search. Each rank caches one KV head (half the bytes of one process),
+every step is scheduled identically with bitwise identical logits on both ranks, and a model
+whose KV heads do not divide by the world size is refused with a ValueError. The 2-rank tests
+skip without transformers, accelerate or gloo; the tests of ``tp_layout`` alone (on stand-in
+modules) always run.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def test_seeded_sampling_equals_one_process(ranks):
     for res in results:
         assert res["sampled_preemptions"] > 0
         assert res["sampled"] == ref["sampled"], f"rank {res['rank']}"
+        assert res["swap_preemptions"] > 0
+        assert res["swapped"] == ref["sampled"], f"rank {res['rank']}"
     assert any(b[0] != b[1] for b in ref["sampled"])  # the branches really sample
 
 

@@ -3,8 +3,9 @@
 ``python tp_worker.py MODEL_DIR INDIVISIBLE_MODEL_DIR OUT_DIR``: loads ``MODEL_DIR`` sharded
 by transformers' tensor-parallel plan and runs :class:`PagedEngine` on it with a pool small
 enough to preempt and prefix caching on: greedy with two branches per prompt, requests sharing
-a system prompt, seeded sampling with two branches, unseeded sampling, beam search. After every
-step it checks that all ranks scheduled the same step and got bitwise identical logits. Writes
+a system prompt, seeded sampling with two branches, unseeded sampling, beam search; then
+seeded sampling again on an engine that preempts by swapping. After every step it checks that
+all ranks scheduled the same step and got bitwise identical logits. Writes
 ``OUT_DIR/rank<r>.json``; rank 0 also writes the single-process references (transformers'
 ``generate`` of the unsharded model for greedy, one process's engine on it for sampling and
 beam search). The test process compares them.
@@ -135,6 +136,11 @@ def main(model_dir: str, bad_dir: str, out_dir: str) -> None:
     sampled.seed = None
     out["unseeded"] = engine.generate(prompts[:3], params=sampled)
     out["beam"] = engine.generate(prompts[:BEAM_PROMPTS], params=beam)
+    swapping = PagedEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                           num_cpu_blocks=2 * NUM_BLOCKS, step_callback=check)
+    sampled.seed = 11
+    out["swapped"] = swapping.generate(prompts, params=sampled)
+    out["swap_preemptions"] = swapping.stats.swap_preemptions
     out["steps_checked"] = check.steps
     out["schedule_mismatches"] = check.schedule_mismatches
     out["logit_mismatches"] = check.logit_mismatches
