@@ -12,10 +12,12 @@ batching, two branches per prompt (fork + copy-on-write) and a pool too small fo
 (requests wait and get preempted), with prefix caching on (a sequence readmitted after a
 recompute preemption reuses its blocks still in the cache; a second batch of requests sharing a
 system prompt prefills only their own suffixes). A progress line per step shows blocks in use
-and tail waste;
-the summary gives tokens/s and the memory saved against a contiguous max-length allocation
-(seed 000 §3, §17); the generated tokens are checked against transformers' own
+and tail waste; the summary gives tokens/s and the memory saved against a contiguous
+max-length allocation; the generated tokens are checked against transformers' own
 ``model.generate``; a PNG plot of blocks in use over time goes to ``--plot`` (matplotlib).
+Then sampled branches (``SamplingParams``: temperature, top-p, a seed; four branches per
+prompt forked from its blocks) and a beam search (four beams forked from their parents each
+step, checked against transformers' beam search), each with its block sharing.
 """
 
 from __future__ import annotations
@@ -257,6 +259,7 @@ def run_engine_demo(device: str = "cpu", plot: str | None = DEFAULT_PLOT,
               f"({len(prompts)} prompts x {n} branches, checked in "
               f"{time.perf_counter() - t0:.1f} s)")
     ok = _shared_prefix_demo(model, engine, g, max_new=8) and ok
+    ok = _sampling_and_beam_demo(model, g, device, check) and ok
     if plot:
         path = _plot(st, engine, plot)
         if path:
@@ -283,6 +286,58 @@ def _shared_prefix_demo(model, engine, g, max_new: int) -> bool:
     ok = plain.generate(prompts, max_new) == outs
     print(f"  tokens vs the same engine without prefix caching: "
           f"{'IDENTICAL' if ok else 'MISMATCH'}")
+    return ok
+
+
+def _sharing(st) -> str:
+    return (f"peak {st.peak_used_blocks} blocks in use vs {st.peak_unshared_blocks} without "
+            f"sharing; {st.forks} forks, {st.cow_copies} copy-on-write block copies")
+
+
+def _sampling_and_beam_demo(model, g, device: str, check: bool) -> bool:
+    """Sampled branches and beam search on shared blocks; the beams are checked against
+    transformers' beam search."""
+    from .engine import PagedEngine, SamplingParams
+
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 45, 70)]
+    engine = PagedEngine(model, num_blocks=64, block_size=16)
+    sp = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, n=4, seed=0)
+    outs = engine.generate(prompts, params=sp)
+    st = engine.stats
+    print(f"\n== sampling: {len(prompts)} prompts x n={sp.n} branches (temperature "
+          f"{sp.temperature}, top_p {sp.top_p}, seed {sp.seed}), {sp.max_new_tokens} tokens each")
+    for j, b in enumerate(outs[0]):
+        print(f"  prompt 0 branch {j}: {b[:12]} ...")
+    distinct = sum(len({tuple(b) for b in br}) for br in outs)
+    print(f"  {distinct}/{sp.n * len(prompts)} distinct branches; {_sharing(st)}")
+    again = engine.generate(prompts[:1], params=sp)
+    print(f"  prompt 0 alone, same seed: {'IDENTICAL' if again[0] == outs[0] else 'DIFFERENT'}"
+          f" branches (a branch's tokens do not depend on its batch)")
+    ok = again[0] == outs[0]
+
+    k, n, max_new = 4, 2, 24
+    bp = SamplingParams(max_new_tokens=max_new, num_beams=k, n=n)
+    beams = engine.generate(prompts, params=bp)
+    st = engine.stats
+    print(f"== beam search: num_beams={k}, n={n}, {max_new} tokens")
+    for i, hyps in enumerate(beams):
+        print(f"  prompt {i} best beam: {hyps[0][:12]} ...")
+    print(f"  beams on shared blocks: at most {st.peak_beam_blocks} blocks held by the beam "
+          f"groups vs {st.peak_beam_unshared_blocks} for their beams as independent "
+          f"sequences; {st.forks} forks, {st.cow_copies} copy-on-write block copies")
+    if check:
+        ref = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p], device=device)
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=max_new, do_sample=False, num_beams=k,
+                                     num_return_sequences=n, pad_token_id=0)
+                ref.append([r[len(p):] for r in out.tolist()])
+        same = ref == beams
+        print(f"  beams vs transformers model.generate(num_beams={k}, num_return_sequences={n})"
+              f": {'IDENTICAL' if same else 'MISMATCH'}")
+        ok = ok and same
     return ok
 
 

@@ -65,7 +65,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
             ``generation_config.eos_token_id`` (``None``: stop only at ``max_new_tokens``).
         step_callback: called as ``step_callback(engine, record)`` after every step (progress
             bars). :attr:`last_step_logits` holds that step's logits.
-        enable_prefix_caching: share the KV blocks of common prompt prefixes (seed 000 §18).
+        enable_prefix_caching: share the KV blocks of common prompt prefixes.
             The block manager registers every full block under a hash of its token ids (and
             its whole prefix); a new request (or a sequence readmitted after a recompute
             preemption) whose leading full blocks are registered, in a running sequence or

@@ -13,7 +13,7 @@ class StepRecord:
     ``used_blocks``: GPU blocks in use after the step; ``tail_waste_slots``: unused slots of the
     partially filled tail blocks; ``stored_tokens``: KV positions held (shared blocks once);
     ``contiguous_slots``: what a contiguous max-length reservation (prompt + max_new_tokens
-    per resident sequence, seed 000 §3) would hold for the same sequences; ``running``,
+    per resident sequence) would hold for the same sequences; ``running``,
     ``waiting``, ``swapped``: queue sizes after the step; ``preempted``: sequences preempted
     during the step; ``time_s``: seconds since the start. ``unshared_blocks``: blocks the
     running sequences would hold without sharing (the sum of their block-table lengths; fork
