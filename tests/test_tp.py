@@ -73,6 +73,9 @@ def ranks(tmp_path_factory):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    # CPU and gloo even where a GPU is visible (transformers' tp_plan would take CUDA + NCCL
+    # and need a GPU per rank).
+    env["CUDA_VISIBLE_DEVICES"] = ""
     if Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname is
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
