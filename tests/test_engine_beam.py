@@ -88,19 +88,23 @@ def test_beam_search_with_eos_matches_transformers(beam_setup, early_stopping, l
         stop_token_ids=eos)) == want[:2]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_beam_search_under_preemption(beam_setup, mode):
+@pytest.mark.parametrize("mode,cpu_blocks", [("recompute", 0), ("swap", 64), ("swap", 6)],
+                         ids=["recompute", "swap", "swap-small-cpu-pool"])
+def test_beam_search_under_preemption(beam_setup, mode, cpu_blocks):
     """24 blocks of 8: one beam group fits even unshared (4 x 6 blocks for the longest
-    prompt), all five do not: groups are preempted whole and resume exactly."""
+    prompt), all five do not: groups are preempted whole and resume exactly. With a CPU pool
+    of 6 blocks some groups do not fit it (their beams already moved are freed) and are
+    recomputed instead."""
     model, prompts, refs = beam_setup
     engine = PagedEngine(model, num_blocks=24, block_size=8, eos_token_id=None,
-                         num_cpu_blocks=64 if mode == "swap" else 0)
+                         num_cpu_blocks=cpu_blocks)
+    assert engine.preemption_mode == mode
     assert engine.generate(prompts, params=_params()) == refs
     st = engine.stats
     assert st.preemptions > 0 and st.peak_used_blocks <= 24
     if mode == "swap":
         assert st.swap_preemptions > 0 and st.swap_ins == st.swap_preemptions
-    else:
+    if cpu_blocks != 64:
         assert st.recompute_preemptions > 0
     _check_pool_empty(engine)
 

@@ -71,14 +71,21 @@ def test_sampling_matches_reference_sampler(model_prompts):
     _check_pool_empty(engine)
 
 
+@pytest.fixture(scope="module")
+def sampled_together(model_prompts):
+    model, prompts = model_prompts
+    return PagedEngine(model, num_blocks=64, block_size=8).generate(prompts, params=SAMPLED)
+
+
 @pytest.mark.parametrize("pool", ["alone", "recompute", "swap", "prefix-caching"])
-def test_sampling_reproducible_across_batches_and_preemption(model_prompts, pool):
+def test_sampling_reproducible_across_batches_and_preemption(model_prompts, sampled_together,
+                                                             pool):
     """Each prompt generated alone equals the same prompts generated together, in a pool
     small enough to preempt (by recompute or swap), or with prefix caching."""
     model, prompts = model_prompts
-    big = PagedEngine(model, num_blocks=64, block_size=8)
-    together = big.generate(prompts, params=SAMPLED)
+    together = sampled_together
     if pool == "alone":
+        big = PagedEngine(model, num_blocks=64, block_size=8)
         got = [big.generate([p], params=SAMPLED)[0] for p in prompts]
     else:
         # 8 blocks of 8: the longest branch (37 + 12 - 1 = 48 positions) fits alone.

@@ -88,9 +88,9 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
             blocks stay valid). A float, or a ``(k_scale, v_scale)`` pair, fixes the scales of
             every layer (``1.0``: store the values as they are). :attr:`k_scales` and
             :attr:`v_scales` hold the tensors.
-
-        max_waiting_requests: most requests waiting for admission; :meth:`add_request`
-            beyond it raises :class:`EngineOverloaded` (``None``: no limit).
+        max_waiting_requests: most requests waiting for admission (new ones, and running
+            ones preempted by recompute); :meth:`add_request` beyond it raises
+            :class:`EngineOverloaded` (``None``: no limit).
 
     The pool is sized in blocks; :attr:`kv_bytes_per_block` gives the bytes one block takes
     over all layers (keys and values).
@@ -262,6 +262,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
     def capacity_tokens(self) -> int:
         """KV positions the GPU pool holds: ``num_blocks * block_size``."""
         return self.num_blocks * self.block_size
+
     # ------------------------------------------------------------------ online API
     def reset_stats(self) -> None:
         """Start :attr:`stats` afresh (:meth:`generate` does it at its start)."""
@@ -277,6 +278,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         """``ValueError`` for a request that is invalid or could never fit the pool."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.__post_init__()  # fields may have been changed since construction
         if not prompt:
             raise ValueError(f"{what} is empty")
         vocab = getattr(self.config, "vocab_size", None)
@@ -634,13 +636,13 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         contiguous = unshared = beam_blocks = beam_unshared = 0
         for g in self._running:
             p = g.request.params
-            tables = [bm.block_table(b.seq_id) for b in g.branches]
             contiguous += len(g.branches) * (len(g.request.prompt) + p.max_new_tokens)
-            n = sum(map(len, tables))
+            # A sequence of L positions holds ceil(L / block_size) blocks.
+            n = sum(bm.num_blocks_for(bm.seq_len(b.seq_id)) for b in g.branches)
             unshared += n
             if g.request.beam is not None:
                 beam_unshared += n
-                beam_blocks += len({x for t in tables for x in t})
+                beam_blocks += len({x for b in g.branches for x in bm.block_table(b.seq_id)})
         running = sum(len(g.branches) for g in self._running)
         rec = StepRecord(step=st.steps, kind=kind, num_tokens=num_tokens,
                          used_blocks=bst.used_blocks, tail_waste_slots=bst.tail_waste_slots,
