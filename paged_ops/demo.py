@@ -349,7 +349,15 @@ def main(argv: list[str] | None = None) -> None:
                          f"'' for none)")
     ap.add_argument("--no-check", action="store_true",
                     help="skip the comparison with transformers' model.generate")
+    ap.add_argument("--tp", type=int, default=0, metavar="N",
+                    help="tensor parallel over N ranks instead (launch with torchrun "
+                         "--nproc-per-node N)")
     args = ap.parse_args(argv)
+    if args.tp:
+        from ._demo_tp import run_tp_demo
+        if not run_tp_demo(args.tp):
+            raise SystemExit("tensor-parallel PagedEngine tokens differ from one process's")
+        return
     device = "cuda" if torch.cuda.is_available() and paged_ops.built_with_cuda() else "cpu"
     print(f"paged_ops demo on {device} (CPU kernel: {paged_ops.cpu_kernel_variant()}, "
           f"CUDA kernels built: {paged_ops.built_with_cuda()})")

@@ -19,6 +19,7 @@ from .runner import StepRunnerMixin
 from .sampling import SamplingParams, branch_generator, sample_next_tokens
 from .scheduler import SchedulerMixin
 from .stats import EngineStats, StepRecord
+from .tp import tp_layout
 
 
 class EngineOverloaded(RuntimeError):
@@ -36,7 +37,15 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
             ``ALL_ATTENTION_FUNCTIONS`` and carry ``layer_idx`` (Llama, Mistral, Qwen2, ... ;
             GQA included). The engine switches it to the ``"paged_ops"`` attention
             implementation (calls outside the engine fall back to SDPA) and puts it in eval
-            mode. Its device and dtype decide the caches' device and dtype.
+            mode. Its device and dtype decide the caches' device and dtype. A model sharded
+            by transformers' tensor-parallel plan (``from_pretrained(..., tp_plan="auto")``
+            under ``torchrun``) works too: each rank runs its own engine with the same calls,
+            caches only its local KV heads (``ValueError`` if a head count does not divide by
+            the world size) and makes the same scheduling decisions from the same inputs,
+            without communicating. The logits are bitwise identical on every rank (the
+            sharded layers' outputs are all-reduced, ``lm_head`` is replicated), so the same
+            seeded generators sample the same tokens everywhere; only a request without a
+            seed costs a broadcast (of rank 0's random seed).
         num_blocks: GPU (model-device) blocks in the pool.
         block_size: token slots per block.
         num_cpu_blocks: blocks of the CPU swap pool (0: no swapping).
@@ -113,6 +122,10 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None)
                             or config.hidden_size // config.num_attention_heads)
+        # A tensor-parallel rank caches only its own KV heads (sized from its projections).
+        self.tp = tp_layout(model, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.num_heads, self.num_kv_heads = self.tp.num_heads, self.tp.num_kv_heads
+        self.head_dim = self.tp.head_dim
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
@@ -241,7 +254,8 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
     # ------------------------------------------------------------------ properties
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block over all layers, keys and values."""
+        """Bytes of one block over all layers, keys and values (of this rank's KV heads
+        under tensor parallelism)."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * elem
 
@@ -310,7 +324,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
                 f"admitted some")
         seed = params.seed
         if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
+            seed = self.tp.shared_seed(self.device)
         rid = self._next_request_id
         self._next_request_id += 1
         req = Request(rid, prompt, params, seed, self._stop_ids(params))
