@@ -35,10 +35,11 @@ struct CacheDims {
 };
 
 // Layout (§2) and consistency of one key/value cache pair: ranks, dtypes, x, dense inner dims,
-// matching dims between the two, same device.
+// matching dims between the two, same device. any_dtype: accept every dtype (x is still
+// 16 // element_size), for ops that only move bytes.
 CacheDims check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const char* key_name = "key_cache",
-                              const char* value_name = "value_cache");
+                              const char* value_name = "value_cache", bool any_dtype = false);
 
 struct AttentionDims {
   CacheDims cache;
@@ -60,6 +61,8 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
                               std::optional<int64_t> max_seq_len,
                               const std::optional<at::Tensor>& query_start_loc = std::nullopt);
 
+// check_attention checks the shape of query_start_loc, and that a call with no sequence
+// (query_start_loc of one element) has no query row: both backends, no device data read.
 // CPU only (reads the index tensors): 0 <= seq_lens[s] <= max_seq_len (when given) and
 // <= max_blocks_per_seq * block_size, every block id the sequence uses is in range, and
 // query_start_loc (when given) starts at 0, never decreases, ends at the number of query rows,
@@ -93,8 +96,14 @@ void check_block_mapping(const at::Tensor& block_mapping);
 // Host-readable block_mapping only: sources in [0, num_src), destinations in [0, num_dst).
 void check_block_mapping_ids(const at::Tensor& block_mapping, int64_t num_src, int64_t num_dst);
 
+// Host-readable block_mapping of copy_blocks only: no block is the destination of two pairs, and
+// no destination is the source of another pair. The pairs are copied in parallel, so either
+// would make the result depend on their order. A pair (b, b) on its own is a harmless no-op.
+void check_block_mapping_unchained(const at::Tensor& block_mapping);
+
 // Metadata of paged::copy_blocks: same number of key and value caches, every pair a valid cache
-// pair, all layers of one dtype, device and block count, mapping int64 [n, 2].
+// pair of any dtype (a block copy moves bytes), all layers of one dtype, device and block count,
+// mapping int64 [n, 2].
 CacheDims check_copy_blocks(const std::vector<at::Tensor>& key_caches,
                             const std::vector<at::Tensor>& value_caches,
                             const at::Tensor& block_mapping);
