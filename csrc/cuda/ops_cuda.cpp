@@ -279,15 +279,29 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
               block_mapping.device());
   TORCH_CHECK(block_mapping.size(0) <= INT32_MAX, "too many block pairs for one launch");
   const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   at::Tensor mapping = block_mapping;
   if (block_mapping.is_cpu()) {
+    // A captured graph would replay the host-to-device copy from a pinned staging buffer that
+    // the caching host allocator recycles once the capture is over: the replay would read
+    // whatever that memory holds by then.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+                "copy_blocks: block_mapping must be a CUDA tensor on the caches' device while "
+                "the stream is being captured into a CUDA graph (a CPU mapping would be staged "
+                "in a host buffer that the graph cannot keep), got a CPU tensor");
     // Host ids can be checked before anything is touched; the copy to the device goes through
     // pinned memory so it is asynchronous (the caching host allocator keeps the pinned buffer
     // alive until the copy has run).
     check_block_mapping_ids(block_mapping, d.num_blocks, d.num_blocks);
+    check_block_mapping_unchained(block_mapping);
     mapping = block_mapping.contiguous().pin_memory().to(device, /*non_blocking=*/true);
   }
-  // else: ids on the device are checked by the kernel (out-of-range pairs are skipped).
+  // else: ids on the device are checked by the kernel (out-of-range pairs are skipped). Chained
+  // pairs or repeated destinations cannot be found without reading the mapping back (a host
+  // synchronisation): their result is undefined (the pairs run in parallel). BlockManager never
+  // produces them: every destination is a block it has just allocated.
 
   const int64_t es = key_caches[0].element_size();
   CopyBlocksParams p{};
@@ -297,7 +311,6 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
   p.num_pairs = mapping.size(0);
   p.num_blocks = d.num_blocks;
   p.block_bytes = d.num_kv_heads * d.head_size * d.block_size * es;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   for (int64_t l0 = 0; l0 < layers; l0 += kMaxCopyLayers) {
     const int64_t n = std::min<int64_t>(kMaxCopyLayers, layers - l0);
