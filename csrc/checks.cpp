@@ -7,6 +7,8 @@
 #include <sstream>
 #include <utility>
 
+#include "cuda_sizes.h"
+
 namespace paged {
 namespace {
 
@@ -69,12 +71,14 @@ int64_t cache_x(c10::ScalarType dtype) { return 16 / static_cast<int64_t>(c10::e
 bool is_fp8(c10::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 const std::vector<int64_t>& cuda_head_sizes() {
-  static const std::vector<int64_t> v{32, 64, 80, 96, 112, 120, 128, 192, 256};
+  static const std::vector<int64_t> v(std::begin(CudaHeadSizes::values),
+                                      std::end(CudaHeadSizes::values));
   return v;
 }
 
 const std::vector<int64_t>& cuda_block_sizes() {
-  static const std::vector<int64_t> v{8, 16, 32};
+  static const std::vector<int64_t> v(std::begin(CudaBlockSizes::values),
+                                      std::end(CudaBlockSizes::values));
   return v;
 }
 
@@ -116,16 +120,11 @@ CacheDims check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& val
   return d;
 }
 
-AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::Tensor& query,
-                              const at::Tensor& key_cache, const at::Tensor& value_cache,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, const std::optional<at::Tensor>& alibi_slopes,
-                              int64_t sliding_window, double logits_soft_cap,
-                              const std::optional<at::Tensor>& k_scale,
-                              const std::optional<at::Tensor>& v_scale,
-                              std::optional<int64_t> max_seq_len,
-                              const std::optional<at::Tensor>& query_start_loc) {
-  (void)sliding_window;  // any value is valid: <= 0 means no window
+AttentionDims check_attention(Backend backend, const at::Tensor* out, const AttentionArgs& a) {
+  // sliding_window: any value is valid (<= 0 means no window).
+  const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
+               sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
+               query_start_loc] = a;
   TORCH_CHECK(query.dim() == 3, "query must have 3 dims [num_seqs, num_heads, head_size], got ",
               query.dim(), " dims with sizes ", query.sizes());
   TORCH_CHECK(is_float_dtype(query.scalar_type()),
@@ -223,9 +222,11 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
   return d;
 }
 
-void check_attention_indices_cpu(const AttentionDims& d, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len,
-                                 const std::optional<at::Tensor>& query_start_loc) {
+void check_attention_indices_cpu(const AttentionDims& d, const AttentionArgs& a) {
+  const at::Tensor& block_tables = a.block_tables;
+  const at::Tensor& seq_lens = a.seq_lens;
+  const std::optional<int64_t>& max_seq_len = a.max_seq_len;
+  const std::optional<at::Tensor>& query_start_loc = a.query_start_loc;
   const auto bt = block_tables.accessor<int32_t, 2>();
   const auto sl = seq_lens.accessor<int32_t, 1>();
   const int64_t capacity = d.max_blocks_per_seq * d.cache.block_size;

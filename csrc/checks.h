@@ -21,8 +21,8 @@ enum class Backend { CPU, CUDA };
 int64_t cache_x(c10::ScalarType dtype);
 bool is_fp8(c10::ScalarType dtype);
 
-// Head sizes / block sizes the CUDA backend instantiates (the CPU backend takes any head size
-// that is a multiple of x and any block size >= 1).
+// Head sizes / block sizes the CUDA backend instantiates (cuda_sizes.h; the CPU backend takes
+// any head size that is a multiple of x and any block size >= 1).
 const std::vector<int64_t>& cuda_head_sizes();
 const std::vector<int64_t>& cuda_block_sizes();
 
@@ -50,16 +50,25 @@ struct AttentionDims {
   bool multi_token;            // query_start_loc given
 };
 
+// The arguments of paged::attention / attention_out after `out`, as in the schema (ops.cpp).
+struct AttentionArgs {
+  const at::Tensor& query;
+  const at::Tensor& key_cache;
+  const at::Tensor& value_cache;
+  const at::Tensor& block_tables;
+  const at::Tensor& seq_lens;
+  double scale;
+  const std::optional<at::Tensor>& alibi_slopes;
+  int64_t sliding_window;
+  double logits_soft_cap;
+  const std::optional<at::Tensor>& k_scale;
+  const std::optional<at::Tensor>& v_scale;
+  std::optional<int64_t> max_seq_len;
+  const std::optional<at::Tensor>& query_start_loc;
+};
+
 // All metadata checks of paged::attention / attention_out (`out` may be null).
-AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::Tensor& query,
-                              const at::Tensor& key_cache, const at::Tensor& value_cache,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, const std::optional<at::Tensor>& alibi_slopes,
-                              int64_t sliding_window, double logits_soft_cap,
-                              const std::optional<at::Tensor>& k_scale,
-                              const std::optional<at::Tensor>& v_scale,
-                              std::optional<int64_t> max_seq_len,
-                              const std::optional<at::Tensor>& query_start_loc = std::nullopt);
+AttentionDims check_attention(Backend backend, const at::Tensor* out, const AttentionArgs& a);
 
 // check_attention checks the shape of query_start_loc, and that a call with no sequence
 // (query_start_loc of one element) has no query row: both backends, no device data read.
@@ -67,9 +76,7 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
 // <= max_blocks_per_seq * block_size, every block id the sequence uses is in range, and
 // query_start_loc (when given) starts at 0, never decreases, ends at the number of query rows,
 // and gives no sequence more query tokens than its seq_len.
-void check_attention_indices_cpu(const AttentionDims& dims, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len,
-                                 const std::optional<at::Tensor>& query_start_loc = std::nullopt);
+void check_attention_indices_cpu(const AttentionDims& dims, const AttentionArgs& a);
 
 struct CacheWriteDims {
   CacheDims cache;

@@ -5,6 +5,8 @@ in."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from helpers import (
@@ -27,8 +29,21 @@ pytestmark = [
 ]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
-BLOCK_SIZES = [8, 16, 32]
+
+
+def _cuda_sizes(which):
+    """The head sizes (0) or block sizes (1) the CUDA kernels are built for (csrc/cuda_sizes.h:
+    the list the op checks and the kernels' dispatch use)."""
+    fn = paged_ops._C_LIB.paged_ops_cuda_sizes
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.POINTER(ctypes.c_int))]
+    fn.restype = ctypes.c_int
+    values = ctypes.POINTER(ctypes.c_int)()
+    n = fn(which, ctypes.byref(values))
+    return [values[i] for i in range(n)]
+
+
+HEAD_SIZES = _cuda_sizes(0)
+BLOCK_SIZES = _cuda_sizes(1)
 DEV = "cuda"
 
 
