@@ -6,6 +6,8 @@ Switches (environment):
   PAGED_OPS_BUILD_CUDA=auto|0|1   auto: CUDA kernels when torch is a CUDA build and nvcc exists.
   TORCH_CUDA_ARCH_LIST            GPU architectures; without a visible GPU we default to 8.0;9.0.
   MAX_JOBS                        parallel compile jobs (ninja).
+  PAGED_OPS_CPU_VARIANTS=1|0      0: leave out the capability variants (the portable CPU kernel
+                                  of _C only), for a quick build check.
 """
 
 import glob
@@ -17,7 +19,7 @@ from setuptools import setup
 from torch.utils import cpp_extension as ce
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_STD = "-std=c++20"  # torch >= 2.14 headers need C++20
+CXX_STD = "-std=c++20"  # torch >= 2.14 headers need C++20 (2.11 - 2.13 take it too)
 
 
 def _want_cuda() -> bool:
@@ -65,7 +67,11 @@ def extensions():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
         cu_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
         cu_sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
-        nvcc = [CXX_STD, "-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+        # No --use_fast_math: it turns tanhf (the logit soft cap) into tanh.approx.f32, whose
+        # ~1e-5 relative error breaks fp32 agreement with the reference, and `/` into an
+        # approximation. The hot loops call __expf where the approximation is meant; the divisions
+        # and tanhf left are once per output row or per soft-capped logit.
+        nvcc = [CXX_STD, "-O3", "-lineinfo", "--expt-relaxed-constexpr"]
         exts.append(
             ce.CUDAExtension(
                 "paged_ops._C",
@@ -90,7 +96,10 @@ def extensions():
     # Capability variants: separate shared objects, so that no AVX-512 code (including inline
     # functions from torch headers instantiated under those flags) can leak into code that runs
     # on a CPU without it. paged_ops/__init__.py loads the best one ATen says the CPU supports.
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    variants_env = os.environ.get("PAGED_OPS_CPU_VARIANTS", "1").strip()
+    if variants_env not in ("0", "1"):
+        raise SystemExit(f"PAGED_OPS_CPU_VARIANTS must be 0 or 1, got {variants_env!r}")
+    if variants_env == "1" and platform.machine().lower() in ("x86_64", "amd64"):
         avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
         # name: (flags, ATen's capability: which of its vector implementations to use)
         variants = {

@@ -166,18 +166,24 @@ def machine_info():
 
 def make_case(batch, ctx, num_heads, num_kv_heads, head_size, block_size, dtype, device, seed=0):
     """One layer's caches and a decode batch over them (used by kernel_phases.py)."""
-    g = torch.Generator().manual_seed(seed)
+    # Random data drawn on the target device, straight into the cache dtype (fp8 by way of
+    # bf16): no host-side fp32 copy of a many-GB cache.
+    g = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = (ctx + block_size - 1) // block_size
     num_blocks = batch * blocks_per_seq + 64
     kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
                                          device)
-    kc.copy_(torch.randn(kc.shape, generator=g).to(dtype))
-    vc.copy_(torch.randn(vc.shape, generator=g).to(dtype))
-    perm = torch.randperm(num_blocks, generator=g)[: batch * blocks_per_seq]
-    bt = perm.view(batch, blocks_per_seq).to(torch.int32).to(device)  # scattered blocks
+    for c in (kc, vc):
+        if dtype in FP8:
+            c.copy_(torch.empty(c.shape, dtype=torch.bfloat16, device=device).normal_(
+                generator=g))
+        else:
+            c.normal_(generator=g)
+    perm = torch.randperm(num_blocks, generator=g, device=device)[: batch * blocks_per_seq]
+    bt = perm.view(batch, blocks_per_seq).to(torch.int32)  # scattered blocks
     sl = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     qdtype = torch.bfloat16 if dtype in FP8 else dtype
-    q = torch.randn(batch, num_heads, head_size, generator=g).to(qdtype).to(device)
+    q = torch.randn(batch, num_heads, head_size, generator=g, device=device).to(qdtype)
     return q, kc, vc, bt, sl
 
 
@@ -674,8 +680,9 @@ def run_benchmark(a):
               f"(median {statistics.median(bws):.1f}, {len(bws)} measurements)")
         print(summary_tables(rows, shapes))
     else:
+        # One sequence at a long context (split-K), a middle batch, a large batch.
         shapes = parse_shapes(a.shapes) if a.shapes else [
-            (b, c) for b in (1, 8, 64) for c in (1024, 4096, 16384)]
+            (1, 16384), (8, 4096), (64, 1024), (64, 4096)]
         rows += bench_grid(device, dtypes, block_sizes, shapes, variants=[None],
                            baseline=not a.no_baseline, label="grid", **common)
         print(summary_tables(rows, shapes))

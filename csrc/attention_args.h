@@ -28,11 +28,11 @@ inline DType kernel_dtype(c10::ScalarType t) {
 // Pointers, strides, sizes, scalars and dtypes of paged::attention / attention_out, after
 // check_attention (d is its result). Sizes are narrowed to the struct's own field types.
 template <typename Params>
-void set_attention_args(Params& p, at::Tensor& out, const at::Tensor& query,
-                        const at::Tensor& key_cache, const at::Tensor& value_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                        double logits_soft_cap, const AttentionDims& d) {
+void set_attention_args(Params& p, at::Tensor& out, const AttentionArgs& a,
+                        const AttentionDims& d) {
+  const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
+               sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
+               query_start_loc] = a;
   using Size = decltype(p.num_heads);
   p.out = out.data_ptr();
   p.out_stride_seq = out.stride(0);

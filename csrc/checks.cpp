@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <utility>
+
+#include "cuda_sizes.h"
 
 namespace paged {
 namespace {
@@ -68,17 +71,19 @@ int64_t cache_x(c10::ScalarType dtype) { return 16 / static_cast<int64_t>(c10::e
 bool is_fp8(c10::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 const std::vector<int64_t>& cuda_head_sizes() {
-  static const std::vector<int64_t> v{32, 64, 80, 96, 112, 120, 128, 192, 256};
+  static const std::vector<int64_t> v(std::begin(CudaHeadSizes::values),
+                                      std::end(CudaHeadSizes::values));
   return v;
 }
 
 const std::vector<int64_t>& cuda_block_sizes() {
-  static const std::vector<int64_t> v{8, 16, 32};
+  static const std::vector<int64_t> v(std::begin(CudaBlockSizes::values),
+                                      std::end(CudaBlockSizes::values));
   return v;
 }
 
 CacheDims check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                              const char* kname, const char* vname) {
+                              const char* kname, const char* vname, bool any_dtype) {
   TORCH_CHECK(key_cache.dim() == 5, kname,
               " must have 5 dims [num_blocks, num_kv_heads, head_size // x, block_size, x], got ",
               key_cache.dim(), " dims with sizes ", key_cache.sizes());
@@ -86,7 +91,7 @@ CacheDims check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& val
               " must have 4 dims [num_blocks, num_kv_heads, head_size, block_size], got ",
               value_cache.dim(), " dims with sizes ", value_cache.sizes());
   const auto dt = key_cache.scalar_type();
-  TORCH_CHECK(is_float_dtype(dt) || is_fp8(dt), kname,
+  TORCH_CHECK(any_dtype || is_float_dtype(dt) || is_fp8(dt), kname,
               " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", dt);
   TORCH_CHECK(value_cache.scalar_type() == dt, vname, " dtype (", value_cache.scalar_type(),
               ") must equal ", kname, " dtype (", dt, ")");
@@ -115,16 +120,11 @@ CacheDims check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& val
   return d;
 }
 
-AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::Tensor& query,
-                              const at::Tensor& key_cache, const at::Tensor& value_cache,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, const std::optional<at::Tensor>& alibi_slopes,
-                              int64_t sliding_window, double logits_soft_cap,
-                              const std::optional<at::Tensor>& k_scale,
-                              const std::optional<at::Tensor>& v_scale,
-                              std::optional<int64_t> max_seq_len,
-                              const std::optional<at::Tensor>& query_start_loc) {
-  (void)sliding_window;  // any value is valid: <= 0 means no window
+AttentionDims check_attention(Backend backend, const at::Tensor* out, const AttentionArgs& a) {
+  // sliding_window: any value is valid (<= 0 means no window).
+  const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
+               sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
+               query_start_loc] = a;
   TORCH_CHECK(query.dim() == 3, "query must have 3 dims [num_seqs, num_heads, head_size], got ",
               query.dim(), " dims with sizes ", query.sizes());
   TORCH_CHECK(is_float_dtype(query.scalar_type()),
@@ -143,6 +143,11 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
                 "query_start_loc must have shape [num_seqs + 1], got ", query_start_loc->sizes());
     check_same_device(*query_start_loc, query, "query_start_loc", "query");
     d.num_seqs = query_start_loc->size(0) - 1;
+    // Rows outside every sequence would be left unwritten; the values are checked on the CPU
+    // (check_attention_indices_cpu), this case needs only the shapes.
+    TORCH_CHECK(d.num_seqs >= 1 || d.num_tokens == 0,
+                "query_start_loc has one element (no sequence) but query has ", d.num_tokens,
+                " rows: every query row must belong to a sequence");
   }
   check_same_device(key_cache, query, "key_cache", "query");
   check_fp8_scales(key_cache.scalar_type(), k_scale, v_scale);
@@ -217,9 +222,11 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::
   return d;
 }
 
-void check_attention_indices_cpu(const AttentionDims& d, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len,
-                                 const std::optional<at::Tensor>& query_start_loc) {
+void check_attention_indices_cpu(const AttentionDims& d, const AttentionArgs& a) {
+  const at::Tensor& block_tables = a.block_tables;
+  const at::Tensor& seq_lens = a.seq_lens;
+  const std::optional<int64_t>& max_seq_len = a.max_seq_len;
+  const std::optional<at::Tensor>& query_start_loc = a.query_start_loc;
   const auto bt = block_tables.accessor<int32_t, 2>();
   const auto sl = seq_lens.accessor<int32_t, 1>();
   const int64_t capacity = d.max_blocks_per_seq * d.cache.block_size;
@@ -333,6 +340,34 @@ void check_block_mapping_ids(const at::Tensor& block_mapping, int64_t num_src, i
   }
 }
 
+void check_block_mapping_unchained(const at::Tensor& block_mapping) {
+  const auto m = block_mapping.accessor<int64_t, 2>();
+  const int64_t n = block_mapping.size(0);
+  if (n <= 1) return;
+  // (block id, row) sorted by id: equal ids are adjacent, each id's rows in row order.
+  std::vector<std::pair<int64_t, int64_t>> src(n), dst(n);
+  for (int64_t i = 0; i < n; ++i) {
+    src[i] = {m[i][0], i};
+    dst[i] = {m[i][1], i};
+  }
+  std::sort(src.begin(), src.end());
+  std::sort(dst.begin(), dst.end());
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK(dst[i].first != dst[i - 1].first, "block_mapping[", dst[i - 1].second,
+                "] and block_mapping[", dst[i].second, "] both write block ", dst[i].first,
+                ": a block may be the destination of at most one pair per copy_blocks call");
+  }
+  for (const auto& [block, row] : dst) {
+    auto it = std::lower_bound(src.begin(), src.end(), std::pair<int64_t, int64_t>{block, 0});
+    for (; it != src.end() && it->first == block; ++it) {
+      TORCH_CHECK(it->second == row, "block_mapping[", row, "] writes block ", block,
+                  ", which block_mapping[", it->second,
+                  "] reads: a destination must not be the source of another pair (the pairs are "
+                  "copied in parallel); split the mapping into separate calls");
+    }
+  }
+}
+
 CacheDims check_copy_blocks(const std::vector<at::Tensor>& key_caches,
                             const std::vector<at::Tensor>& value_caches,
                             const at::Tensor& block_mapping) {
@@ -343,7 +378,8 @@ CacheDims check_copy_blocks(const std::vector<at::Tensor>& key_caches,
   for (size_t l = 0; l < key_caches.size(); ++l) {
     const std::string kn = "key_caches[" + std::to_string(l) + "]";
     const std::string vn = "value_caches[" + std::to_string(l) + "]";
-    const CacheDims d = check_kv_cache_pair(key_caches[l], value_caches[l], kn.c_str(), vn.c_str());
+    const CacheDims d = check_kv_cache_pair(key_caches[l], value_caches[l], kn.c_str(),
+                                            vn.c_str(), /*any_dtype=*/true);
     if (l == 0) {
       first = d;
       continue;

@@ -21,8 +21,8 @@ enum class Backend { CPU, CUDA };
 int64_t cache_x(c10::ScalarType dtype);
 bool is_fp8(c10::ScalarType dtype);
 
-// Head sizes / block sizes the CUDA backend instantiates (the CPU backend takes any head size
-// that is a multiple of x and any block size >= 1).
+// Head sizes / block sizes the CUDA backend instantiates (cuda_sizes.h; the CPU backend takes
+// any head size that is a multiple of x and any block size >= 1).
 const std::vector<int64_t>& cuda_head_sizes();
 const std::vector<int64_t>& cuda_block_sizes();
 
@@ -35,10 +35,11 @@ struct CacheDims {
 };
 
 // Layout (§2) and consistency of one key/value cache pair: ranks, dtypes, x, dense inner dims,
-// matching dims between the two, same device.
+// matching dims between the two, same device. any_dtype: accept every dtype (x is still
+// 16 // element_size), for ops that only move bytes.
 CacheDims check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const char* key_name = "key_cache",
-                              const char* value_name = "value_cache");
+                              const char* value_name = "value_cache", bool any_dtype = false);
 
 struct AttentionDims {
   CacheDims cache;
@@ -49,24 +50,33 @@ struct AttentionDims {
   bool multi_token;            // query_start_loc given
 };
 
-// All metadata checks of paged::attention / attention_out (`out` may be null).
-AttentionDims check_attention(Backend backend, const at::Tensor* out, const at::Tensor& query,
-                              const at::Tensor& key_cache, const at::Tensor& value_cache,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double scale, const std::optional<at::Tensor>& alibi_slopes,
-                              int64_t sliding_window, double logits_soft_cap,
-                              const std::optional<at::Tensor>& k_scale,
-                              const std::optional<at::Tensor>& v_scale,
-                              std::optional<int64_t> max_seq_len,
-                              const std::optional<at::Tensor>& query_start_loc = std::nullopt);
+// The arguments of paged::attention / attention_out after `out`, as in the schema (ops.cpp).
+struct AttentionArgs {
+  const at::Tensor& query;
+  const at::Tensor& key_cache;
+  const at::Tensor& value_cache;
+  const at::Tensor& block_tables;
+  const at::Tensor& seq_lens;
+  double scale;
+  const std::optional<at::Tensor>& alibi_slopes;
+  int64_t sliding_window;
+  double logits_soft_cap;
+  const std::optional<at::Tensor>& k_scale;
+  const std::optional<at::Tensor>& v_scale;
+  std::optional<int64_t> max_seq_len;
+  const std::optional<at::Tensor>& query_start_loc;
+};
 
+// All metadata checks of paged::attention / attention_out (`out` may be null).
+AttentionDims check_attention(Backend backend, const at::Tensor* out, const AttentionArgs& a);
+
+// check_attention checks the shape of query_start_loc, and that a call with no sequence
+// (query_start_loc of one element) has no query row: both backends, no device data read.
 // CPU only (reads the index tensors): 0 <= seq_lens[s] <= max_seq_len (when given) and
 // <= max_blocks_per_seq * block_size, every block id the sequence uses is in range, and
 // query_start_loc (when given) starts at 0, never decreases, ends at the number of query rows,
 // and gives no sequence more query tokens than its seq_len.
-void check_attention_indices_cpu(const AttentionDims& dims, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, std::optional<int64_t> max_seq_len,
-                                 const std::optional<at::Tensor>& query_start_loc = std::nullopt);
+void check_attention_indices_cpu(const AttentionDims& dims, const AttentionArgs& a);
 
 struct CacheWriteDims {
   CacheDims cache;
@@ -93,8 +103,14 @@ void check_block_mapping(const at::Tensor& block_mapping);
 // Host-readable block_mapping only: sources in [0, num_src), destinations in [0, num_dst).
 void check_block_mapping_ids(const at::Tensor& block_mapping, int64_t num_src, int64_t num_dst);
 
+// Host-readable block_mapping of copy_blocks only: no block is the destination of two pairs, and
+// no destination is the source of another pair. The pairs are copied in parallel, so either
+// would make the result depend on their order. A pair (b, b) on its own is a harmless no-op.
+void check_block_mapping_unchained(const at::Tensor& block_mapping);
+
 // Metadata of paged::copy_blocks: same number of key and value caches, every pair a valid cache
-// pair, all layers of one dtype, device and block count, mapping int64 [n, 2].
+// pair of any dtype (a block copy moves bytes), all layers of one dtype, device and block count,
+// mapping int64 [n, 2].
 CacheDims check_copy_blocks(const std::vector<at::Tensor>& key_caches,
                             const std::vector<at::Tensor>& value_caches,
                             const at::Tensor& block_mapping);

@@ -104,6 +104,20 @@ def test_copy_blocks_all_layers(dtype):
     assert torch.equal(kcs[1][2], kcs[1][0])
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float8_e4m3fn])
+def test_copy_blocks_any_dtype(dtype):
+    # A block copy moves bytes: caches of any dtype (x = 16 // element size) are accepted.
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(2)
+    kcs = [torch.randint(0, 100, (6, 2, 32 // x, 8, x), generator=g).to(dtype) for _ in range(2)]
+    vcs = [torch.randint(0, 100, (6, 2, 32, 8), generator=g).to(dtype) for _ in range(2)]
+    mapping = torch.tensor([[0, 4], [5, 1], [2, 2]])  # (2, 2): a no-op pair is allowed
+    want_k, want_v = ref.copy_blocks(kcs, vcs, mapping)
+    paged_ops.copy_blocks(kcs, vcs, mapping)
+    for a, b in zip(kcs + vcs, want_k + want_v):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_copy_blocks_empty_mapping_and_no_layers():
     kc, vc = paged_ops.allocate_kv_cache(4, 1, 8, 4, torch.float32)
     kc.zero_()

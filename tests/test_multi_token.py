@@ -307,6 +307,7 @@ BAD_QSL = {
     "decreasing": ([0, 4, 3], torch.int32, [10, 5]),
     "last != query rows": ([0, 2, 4], torch.int32, [10, 5]),
     "q_len > seq_len": ([0, 1, 5], torch.int32, [10, 3]),
+    "no sequence but query rows": ([0], torch.int32, [10, 5]),
 }
 
 

@@ -502,6 +502,7 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
   check_cpu(block_mapping, "block_mapping");
   check_cpu(key_caches[0], "key_caches[0]");
   check_block_mapping_ids(block_mapping, d.num_blocks, d.num_blocks);
+  check_block_mapping_unchained(block_mapping);
   std::vector<std::pair<const char*, char*>> bases;
   std::vector<std::pair<int64_t, int64_t>> strides;
   const int64_t es = key_caches[0].element_size();

@@ -444,35 +444,20 @@ cudaError_t launch_decode_gt(const AttentionParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;  // a plan the host never makes
 }
 
-template <typename QT, typename CT, int D>
-cudaError_t launch_decode_bs(const AttentionParams& p, cudaStream_t stream) {
-  switch (p.block_size) {
-    case 8: return launch_decode_gt<QT, CT, D, 8>(p, stream);
-    case 16: return launch_decode_gt<QT, CT, D, 16>(p, stream);
-    case 32: return launch_decode_gt<QT, CT, D, 32>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-// Head sizes and block sizes: the lists of checks.cpp cuda_head_sizes() / cuda_block_sizes()
-// (fp8 caches: the head sizes of that list that are multiples of x = 16, i.e. all but 120,
-// which the fp8 key layout cannot express).
+// Head sizes and block sizes: the lists of cuda_sizes.h (fp8 caches: the head sizes that are
+// multiples of x = 16).
 template <typename QT, typename CT>
 cudaError_t launch_decode_any(const AttentionParams& p, cudaStream_t stream) {
-  switch (p.head_size) {
-    case 32: return launch_decode_bs<QT, CT, 32>(p, stream);
-    case 64: return launch_decode_bs<QT, CT, 64>(p, stream);
-    case 80: return launch_decode_bs<QT, CT, 80>(p, stream);
-    case 96: return launch_decode_bs<QT, CT, 96>(p, stream);
-    case 112: return launch_decode_bs<QT, CT, 112>(p, stream);
-    case 120:
-      if constexpr (!Elem<CT>::kFp8) return launch_decode_bs<QT, CT, 120>(p, stream);
+  return dispatch_int(p.head_size, CudaHeadSizes{}, cudaErrorInvalidValue, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    if constexpr (Elem<CT>::kFp8 && D % 16 != 0) {
       return cudaErrorInvalidValue;
-    case 128: return launch_decode_bs<QT, CT, 128>(p, stream);
-    case 192: return launch_decode_bs<QT, CT, 192>(p, stream);
-    case 256: return launch_decode_bs<QT, CT, 256>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+    } else {
+      return dispatch_int(p.block_size, CudaBlockSizes{}, cudaErrorInvalidValue, [&](auto bs) {
+        return launch_decode_gt<QT, CT, D, decltype(bs)::value>(p, stream);
+      });
+    }
+  });
 }
 
 }  // namespace paged::gpu

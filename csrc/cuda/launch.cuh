@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cuda_sizes.h"
 #include "dtype.h"
 
 namespace paged::gpu {

@@ -480,24 +480,18 @@ cudaError_t launch_multi(const AttentionParams& p, cudaStream_t stream) {
   return launch_split_reduce<QAny>(p, p.num_tokens, stream);
 }
 
-// Head sizes: the list of checks.cpp cuda_head_sizes() (any block size of cuda_block_sizes():
-// it is a run-time parameter here). fp8: all but 120 (not a multiple of x = 16).
+// Head sizes: the list of cuda_sizes.h (the block size is a run-time parameter here). fp8: the
+// multiples of x = 16.
 template <typename CT>
 cudaError_t launch_multi_any(const AttentionParams& p, cudaStream_t stream) {
-  switch (p.head_size) {
-    case 32: return launch_multi<CT, 32>(p, stream);
-    case 64: return launch_multi<CT, 64>(p, stream);
-    case 80: return launch_multi<CT, 80>(p, stream);
-    case 96: return launch_multi<CT, 96>(p, stream);
-    case 112: return launch_multi<CT, 112>(p, stream);
-    case 120:
-      if constexpr (!Elem<CT>::kFp8) return launch_multi<CT, 120>(p, stream);
+  return dispatch_int(p.head_size, CudaHeadSizes{}, cudaErrorInvalidValue, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    if constexpr (Elem<CT>::kFp8 && D % 16 != 0) {
       return cudaErrorInvalidValue;
-    case 128: return launch_multi<CT, 128>(p, stream);
-    case 192: return launch_multi<CT, 192>(p, stream);
-    case 256: return launch_multi<CT, 256>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+    } else {
+      return launch_multi<CT, D>(p, stream);
+    }
+  });
 }
 
 }  // namespace paged::gpu

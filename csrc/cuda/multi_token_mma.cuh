@@ -440,21 +440,18 @@ cudaError_t launch_multi_mma(const AttentionParams& p, cudaStream_t stream) {
   return launch_split_reduce<QT>(p, p.num_tokens, stream);
 }
 
-// Head sizes: the multiples of 16 of checks.cpp cuda_head_sizes() (120 takes the CUDA-core
-// kernel: multi_token_mma_supported on the host).
+// Head sizes: the multiples of 16 of cuda_sizes.h (120 takes the CUDA-core kernel:
+// multi_token_mma_supported on the host).
 template <typename QT, typename CT>
 cudaError_t launch_multi_mma_any(const AttentionParams& p, cudaStream_t stream) {
-  switch (p.head_size) {
-    case 32: return launch_multi_mma<QT, CT, 32>(p, stream);
-    case 64: return launch_multi_mma<QT, CT, 64>(p, stream);
-    case 80: return launch_multi_mma<QT, CT, 80>(p, stream);
-    case 96: return launch_multi_mma<QT, CT, 96>(p, stream);
-    case 112: return launch_multi_mma<QT, CT, 112>(p, stream);
-    case 128: return launch_multi_mma<QT, CT, 128>(p, stream);
-    case 192: return launch_multi_mma<QT, CT, 192>(p, stream);
-    case 256: return launch_multi_mma<QT, CT, 256>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch_int(p.head_size, CudaHeadSizes{}, cudaErrorInvalidValue, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    if constexpr (D % 16 != 0) {
+      return cudaErrorInvalidValue;
+    } else {
+      return launch_multi_mma<QT, CT, D>(p, stream);
+    }
+  });
 }
 
 // fp8 caches: the mma type is the query's (fp16 or bf16).

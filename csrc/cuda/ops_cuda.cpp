@@ -29,6 +29,7 @@
 #include <cstdlib>
 
 #include "attention_args.h"
+#include "attention_op.h"
 #include "checks.h"
 #include "cuda/launch.cuh"
 
@@ -86,14 +87,12 @@ at::Tensor split_scratch(AttentionParams& p, int64_t rows, const at::Tensor& que
   return scratch;
 }
 
-void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                    const at::Tensor& value_cache, const at::Tensor& block_tables,
-                    const at::Tensor& seq_lens, double scale,
-                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
-                    const std::optional<at::Tensor>& v_scale,
-                    std::optional<int64_t> max_seq_len,
-                    const std::optional<at::Tensor>& query_start_loc, const AttentionDims& d) {
+// The CUDA part of attention / attention_out (attention_op.h): device and alignment checks, the
+// work split, the launch.
+void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims& d) {
+  const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
+               sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
+               query_start_loc] = a;
   if (d.num_seqs == 0 || d.num_tokens == 0) return;
   check_cuda(query, "query");
   check_cache_alignment(key_cache, "key_cache");
@@ -101,8 +100,7 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   const c10::cuda::CUDAGuard guard(query.device());
 
   AttentionParams p{};
-  set_attention_args(p, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                     alibi_slopes, sliding_window, logits_soft_cap, d);
+  set_attention_args(p, out, a, d);
   p.num_blocks = d.cache.num_blocks;
   // Device-side clamp of seq_lens: what the block table can address, and max_seq_len if given.
   int64_t max_len = d.max_blocks_per_seq * d.cache.block_size;
@@ -187,40 +185,7 @@ void attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   C10_CUDA_CHECK(err);
 }
 
-at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, double scale,
-                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                     double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
-                     const std::optional<at::Tensor>& v_scale,
-                     std::optional<int64_t> max_seq_len,
-                     const std::optional<at::Tensor>& query_start_loc) {
-  const AttentionDims d =
-      check_attention(Backend::CUDA, nullptr, query, key_cache, value_cache, block_tables,
-                      seq_lens, scale, alibi_slopes, sliding_window, logits_soft_cap, k_scale,
-                      v_scale, max_seq_len, query_start_loc);
-  at::Tensor out = at::empty(query.sizes(), query.options());
-  attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                 sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
-                 query_start_loc, d);
-  return out;
-}
-
-void attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, double scale,
-                   const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                   double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
-                   const std::optional<at::Tensor>& v_scale, std::optional<int64_t> max_seq_len,
-                   const std::optional<at::Tensor>& query_start_loc) {
-  const AttentionDims d =
-      check_attention(Backend::CUDA, &out, query, key_cache, value_cache, block_tables, seq_lens,
-                      scale, alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale,
-                      max_seq_len, query_start_loc);
-  attention_into(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                 sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
-                 query_start_loc, d);
-}
+using AttentionOps = AttentionOp<Backend::CUDA, &run_attention>;
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
@@ -279,15 +244,29 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
               block_mapping.device());
   TORCH_CHECK(block_mapping.size(0) <= INT32_MAX, "too many block pairs for one launch");
   const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   at::Tensor mapping = block_mapping;
   if (block_mapping.is_cpu()) {
+    // A captured graph would replay the host-to-device copy from a pinned staging buffer that
+    // the caching host allocator recycles once the capture is over: the replay would read
+    // whatever that memory holds by then.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+                "copy_blocks: block_mapping must be a CUDA tensor on the caches' device while "
+                "the stream is being captured into a CUDA graph (a CPU mapping would be staged "
+                "in a host buffer that the graph cannot keep), got a CPU tensor");
     // Host ids can be checked before anything is touched; the copy to the device goes through
     // pinned memory so it is asynchronous (the caching host allocator keeps the pinned buffer
     // alive until the copy has run).
     check_block_mapping_ids(block_mapping, d.num_blocks, d.num_blocks);
+    check_block_mapping_unchained(block_mapping);
     mapping = block_mapping.contiguous().pin_memory().to(device, /*non_blocking=*/true);
   }
-  // else: ids on the device are checked by the kernel (out-of-range pairs are skipped).
+  // else: ids on the device are checked by the kernel (out-of-range pairs are skipped). Chained
+  // pairs or repeated destinations cannot be found without reading the mapping back (a host
+  // synchronisation): their result is undefined (the pairs run in parallel). BlockManager never
+  // produces them: every destination is a block it has just allocated.
 
   const int64_t es = key_caches[0].element_size();
   CopyBlocksParams p{};
@@ -297,7 +276,6 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
   p.num_pairs = mapping.size(0);
   p.num_blocks = d.num_blocks;
   p.block_bytes = d.num_kv_heads * d.head_size * d.block_size * es;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   for (int64_t l0 = 0; l0 < layers; l0 += kMaxCopyLayers) {
     const int64_t n = std::min<int64_t>(kMaxCopyLayers, layers - l0);
@@ -386,8 +364,8 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
 
 TORCH_LIBRARY_IMPL(paged, CUDA, m) {
   m.impl("reshape_and_cache", &paged::gpu::reshape_and_cache);
-  m.impl("attention", &paged::gpu::attention);
-  m.impl("attention_out", &paged::gpu::attention_out);
+  m.impl("attention", &paged::gpu::AttentionOps::attention);
+  m.impl("attention_out", &paged::gpu::AttentionOps::attention_out);
   m.impl("copy_blocks", &paged::gpu::copy_blocks);
   m.impl("swap_blocks", &paged::gpu::swap_blocks);
 }
