@@ -1,7 +1,9 @@
 """Fixtures shared by the test files."""
 
 import pytest
-from cpu_variants import VARIANTS, use
+
+from tests.cpu_variants import VARIANTS, use
+from tests.helpers import DEVICES
 
 
 @pytest.fixture(params=VARIANTS)
@@ -10,3 +12,25 @@ def cpu_variant(request):
     default) and lanes16, the kernel's 16-lane paths (what AVX-512 runs), see cpu_variants.py."""
     with use(request.param) as name:
         yield name
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Run the test on each device: "cpu" always, "cuda" (marked ``cuda``) where a GPU and the
+    CUDA kernels are present, skipped otherwise."""
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    # A CUDA run of a test that also takes cpu_variant needs one CPU kernel build (the others
+    # are what the CPU runs of the test cover).
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("device") == "cuda" and params.get("cpu_variant", VARIANTS[0]) != VARIANTS[0]:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -6,7 +6,24 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+import paged_ops
+
+HAVE_CUDA = torch.cuda.is_available() and paged_ops.built_with_cuda()
+# Marks of a test (or parameter) that needs CUDA: selected by `-m cuda`, skipped without a GPU.
+CUDA = [pytest.mark.cuda,
+        pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a build with CUDA kernels")]
+# The devices of the `device` fixture (conftest.py): for parametrizing by hand.
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def synchronize(device) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 TOL = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),

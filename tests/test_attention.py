@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import TOL, make_paged, random_query, write_dense
 
 import paged_ops
 from paged_ops import reference as ref
+from tests.helpers import TOL, make_paged, random_query, write_dense
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

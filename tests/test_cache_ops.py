@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import cache_x
 
 import paged_ops
 from paged_ops import reference as ref
+from tests.helpers import cache_x
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

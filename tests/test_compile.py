@@ -3,9 +3,9 @@ model step that writes the cache and attends, with no graph break and eager-equa
 
 import pytest
 import torch
-from helpers import make_paged, random_query
 
 import paged_ops
+from tests.helpers import make_paged, random_query
 
 
 def attention_sample(dtype=torch.float32, **kw):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (
+
+import paged_ops
+from paged_ops import reference as ref
+from tests.helpers import (
     TOL,
     cache_x,
     fp8_write_inputs,
@@ -14,9 +17,6 @@ from helpers import (
     one_thread,
     random_query,
 )
-
-import paged_ops
-from paged_ops import reference as ref
 
 HAVE_CUDA = torch.cuda.is_available() and paged_ops.built_with_cuda()
 pytestmark = [

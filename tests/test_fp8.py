@@ -8,7 +8,10 @@ saturation, the scale checks and the block copies.
 
 import pytest
 import torch
-from helpers import (
+
+import paged_ops
+from paged_ops import reference as ref
+from tests.helpers import (
     FP8_DTYPES,
     TOL,
     cache_x,
@@ -19,9 +22,6 @@ from helpers import (
     query_start_loc,
     random_query,
 )
-
-import paged_ops
-from paged_ops import reference as ref
 
 IN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Half the spacing of the format's significands, relative: 2^-(mantissa bits + 1).

@@ -8,10 +8,10 @@ prefill end to end), under opcheck and torch.compile, and for bad query_start_lo
 
 import pytest
 import torch
-from helpers import TOL, make_paged, one_thread, query_start_loc, random_query
 
 import paged_ops
 from paged_ops import reference as ref
+from tests.helpers import TOL, make_paged, one_thread, query_start_loc, random_query
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
