@@ -186,3 +186,26 @@ def fp8_write_inputs(in_dtype, D):
     else:
         x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype)
     return torch.cat([x, torch.zeros((-x.numel()) % D, dtype=x.dtype)]).reshape(-1, 1, D)
+
+
+def decode_step_inputs(num_seqs, seed, dtype=torch.float32, lens=None, device="cpu"):
+    """Inputs of a decode step (q, k, v, key_cache, value_cache, slot_mapping, block_tables,
+    seq_lens) appending one token at position L of each sequence (L + 1 visible), within the
+    allocated blocks or in a fresh spare block."""
+    bs = 16
+    lens = lens or [3 + 9 * i for i in range(num_seqs)]
+    pg = make_paged(lens, 2, 64, bs, dtype, device=device, seed=seed, extra_blocks=num_seqs)
+    bt = pg.block_tables.clone()
+    used = set(bt[bt >= 0].tolist()) & set(range(pg.key_cache.shape[0]))
+    free = [b for b in range(pg.key_cache.shape[0]) if b not in used]
+    slots = []
+    for s, L in enumerate(lens):
+        if L % bs == 0:
+            bt[s, L // bs] = free.pop()
+        slots.append(int(bt[s, L // bs]) * bs + L % bs)
+    q = random_query(num_seqs, 8, 64, dtype, seed=seed, device=device)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(device)
+    v = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(device)
+    return (q, k, v, pg.key_cache, pg.value_cache, torch.tensor(slots, device=device), bt,
+            pg.seq_lens + 1)

@@ -11,6 +11,7 @@ from paged_ops import reference as ref
 from tests.helpers import (
     TOL,
     cache_x,
+    decode_step_inputs,
     fp8_write_inputs,
     make_paged,
     make_paged_fp8,
@@ -444,94 +445,8 @@ def test_swap_blocks_gpu_gpu_pageable_and_views():
 
 
 # ------------------------------------------------------------------------------------------
-# opcheck, torch.compile, CUDA graphs
+# CUDA graphs (opcheck and torch.compile on CUDA: test_compile.py)
 # ------------------------------------------------------------------------------------------
-
-
-def attention_sample(dtype=torch.float32):
-    pg = make_paged([1, 17, 40], 2, 64, 16, dtype, device=DEV)
-    q = random_query(3, 8, 64, dtype, device=DEV)
-    return pg, (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_attention(dtype):
-    _, args = attention_sample(dtype)
-    torch.library.opcheck(torch.ops.paged.attention.default, args)
-    torch.library.opcheck(torch.ops.paged.attention.default, args,
-                          dict(alibi_slopes=torch.rand(8, device=DEV), sliding_window=20,
-                               logits_soft_cap=4.0, max_seq_len=40))
-
-
-def test_opcheck_attention_out():
-    _, args = attention_sample()
-    torch.library.opcheck(torch.ops.paged.attention_out.default,
-                          (torch.empty_like(args[0]),) + args)
-
-
-def test_opcheck_reshape_and_cache():
-    kc, vc = paged_ops.allocate_kv_cache(4, 2, 64, 16, torch.float32, device=DEV)
-    kc.zero_()
-    vc.zero_()
-    args = (torch.randn(5, 2, 64, device=DEV), torch.randn(5, 2, 64, device=DEV), kc, vc,
-            torch.tensor([3, 17, -1, 40, 63], device=DEV))
-    torch.library.opcheck(torch.ops.paged.reshape_and_cache.default, args)
-
-
-@pytest.mark.parametrize("mapping_device", ["cpu", DEV])
-def test_opcheck_copy_blocks(mapping_device):
-    kcs, vcs = random_layers(2, torch.float32, num_blocks=6, D=32, bs=8)
-    torch.library.opcheck(torch.ops.paged.copy_blocks.default,
-                          (kcs, vcs, torch.tensor([[0, 3], [1, 5]], device=mapping_device)))
-
-
-@pytest.mark.parametrize("direction", ["gpu_gpu", "gpu_cpu", "cpu_gpu"])
-def test_opcheck_swap_blocks(direction):
-    src = torch.randn(6, 2, 8, 16, device="cpu" if direction == "cpu_gpu" else DEV)
-    dst = torch.zeros(3, 2, 8, 16, device="cpu" if direction == "gpu_cpu" else DEV)
-    torch.library.opcheck(torch.ops.paged.swap_blocks.default,
-                          (src, dst, torch.tensor([[5, 0], [2, 2]])))
-
-
-def decode_step(q, k, v, key_cache, value_cache, slot_mapping, block_tables, seq_lens):
-    torch.ops.paged.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
-    out = torch.ops.paged.attention(q * 1.0, key_cache, value_cache, block_tables, seq_lens,
-                                    q.shape[-1] ** -0.5)
-    return out.sum(dim=1) + 1.0
-
-
-def step_inputs(num_seqs, seed, dtype=torch.float32, lens=None):
-    """A decode step appending one token at position L of each sequence (L + 1 visible)."""
-    bs = 16
-    lens = lens or [3 + 9 * i for i in range(num_seqs)]
-    pg = make_paged(lens, 2, 64, bs, dtype, device=DEV, seed=seed, extra_blocks=num_seqs)
-    bt = pg.block_tables.clone()
-    used = set(bt[bt >= 0].tolist()) & set(range(pg.key_cache.shape[0]))
-    free = [b for b in range(pg.key_cache.shape[0]) if b not in used]
-    slots = []
-    for s, L in enumerate(lens):
-        if L % bs == 0:
-            bt[s, L // bs] = free.pop()
-        slots.append(int(bt[s, L // bs]) * bs + L % bs)
-    q = random_query(num_seqs, 8, 64, dtype, seed=seed, device=DEV)
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(DEV)
-    v = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(DEV)
-    return (q, k, v, pg.key_cache, pg.value_cache, torch.tensor(slots, device=DEV), bt,
-            pg.seq_lens + 1)
-
-
-def test_compile_fullgraph_cache_write_and_attention():
-    torch._dynamo.reset()
-    compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
-    for n, seed in ((3, 1), (5, 2)):
-        eager_in = step_inputs(n, seed)
-        comp_in = step_inputs(n, seed)
-        want = decode_step(*eager_in)
-        got = compiled(*comp_in)
-        torch.testing.assert_close(got, want)
-        for a, b in zip(comp_in[3:5], eager_in[3:5]):
-            assert_same(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -539,7 +454,7 @@ def test_cuda_graph_capture_replay_with_inputs_changed_in_place(dtype):
     # Long enough that the captured attention uses split-K; seq_lens and slot_mapping change
     # between replays, the graph's work split stays valid.
     lens = [3000, 700]
-    q, k, v, kc, vc, slots, bt, sl = step_inputs(2, 21, dtype, lens=lens)
+    q, k, v, kc, vc, slots, bt, sl = decode_step_inputs(2, 21, dtype, lens=lens, device=DEV)
     scale = 64 ** -0.5
 
     def body():
