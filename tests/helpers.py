@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import paged_ops
+from paged_ops import reference as ref
 
 HAVE_CUDA = torch.cuda.is_available() and paged_ops.built_with_cuda()
 # Marks of a test (or parameter) that needs CUDA: selected by `-m cuda`, skipped without a GPU.
@@ -209,3 +210,34 @@ def decode_step_inputs(num_seqs, seed, dtype=torch.float32, lens=None, device="c
     v = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(device)
     return (q, k, v, pg.key_cache, pg.value_cache, torch.tensor(slots, device=device), bt,
             pg.seq_lens + 1)
+
+
+def assert_same(a, b):
+    """Bitwise equal (NaN where NaN), on any devices: compared on the CPU."""
+    torch.testing.assert_close(a.cpu(), b.cpu(), equal_nan=True, atol=0, rtol=0)
+
+
+def nan_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device="cpu"):
+    """A key/value cache pair holding NaN in every slot."""
+    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
+                                         device=device)
+    return kc.fill_(float("nan")), vc.fill_(float("nan"))
+
+
+def check_cache_write(k, v, kc, vc, slots, *, ref_slots=None):
+    """reshape_and_cache on the caches' device vs the reference, bit for bit; off the CPU also
+    vs the CPU kernel on identical inputs. ``ref_slots``: the slots the reference writes (the
+    default: ``slots``)."""
+    ref_slots = slots if ref_slots is None else ref_slots
+    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), ref_slots.cpu())
+    on_cpu = kc.device.type == "cpu"
+    if not on_cpu:
+        cpu_k, cpu_v = kc.cpu().clone(), vc.cpu().clone()
+        paged_ops.reshape_and_cache(k.cpu(), v.cpu(), cpu_k, cpu_v, ref_slots.cpu())
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
+    synchronize(kc.device)
+    assert_same(kc, want_k)
+    assert_same(vc, want_v)
+    if not on_cpu:
+        assert_same(kc, cpu_k)
+        assert_same(vc, cpu_v)

@@ -10,11 +10,13 @@ import paged_ops
 from paged_ops import reference as ref
 from tests.helpers import (
     TOL,
+    assert_same,
     cache_x,
     decode_step_inputs,
     fp8_write_inputs,
     make_paged,
     make_paged_fp8,
+    nan_caches,
     one_thread,
     random_query,
 )
@@ -261,83 +263,12 @@ def test_second_device():
 
 
 # ------------------------------------------------------------------------------------------
-# reshape_and_cache
+# reshape_and_cache (the grid, many heads, strided/misaligned/pool inputs: test_cache_ops.py)
 # ------------------------------------------------------------------------------------------
 
 
-def assert_same(a, b):
-    torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
-
-
-def nan_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device=DEV):
-    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
-                                         device=device)
-    return kc.fill_(float("nan")), vc.fill_(float("nan"))
-
-
-def check_cache_write(k, v, kc, vc, slots, *, ref_slots=None):
-    """CUDA write vs the reference and vs the CPU kernel, bit for bit."""
-    ref_slots = slots if ref_slots is None else ref_slots
-    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), ref_slots.cpu())
-    cpu_k, cpu_v = kc.cpu().clone(), vc.cpu().clone()
-    paged_ops.reshape_and_cache(k.cpu(), v.cpu(), cpu_k, cpu_v, ref_slots.cpu())
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
-    torch.cuda.synchronize()
-    assert_same(kc.cpu(), want_k)
-    assert_same(vc.cpu(), want_v)
-    assert_same(kc.cpu(), cpu_k)
-    assert_same(vc.cpu(), cpu_v)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", [32, 80, 128, 256])
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_reshape_and_cache_grid(dtype, head_size, block_size):
-    g = torch.Generator().manual_seed(head_size + block_size)
-    num_blocks, H, n = 12, 2, 19
-    kc, vc = nan_caches(num_blocks, H, head_size, block_size, dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
-    slots[3] = -1
-    k = torch.randn(n, H, head_size, generator=g).to(dtype).to(DEV)
-    v = torch.randn(n, H, head_size, generator=g).to(dtype).to(DEV)
-    check_cache_write(k, v, kc, vc, slots.to(DEV))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_reshape_and_cache_many_heads_beyond_one_cta(dtype):
-    # num_kv_heads * head_size / x = 640 > 512 chunks per token: the grid-stride loop covers all.
-    x = cache_x(dtype)
-    H, D = 640 * x // 128, 128
-    assert H * D // x > 512
-    kc, vc = nan_caches(6, H, D, 16, dtype)
-    k = torch.randn(7, H, D, device=DEV).to(dtype)
-    v = torch.randn(7, H, D, device=DEV).to(dtype)
-    check_cache_write(k, v, kc, vc, torch.tensor([0, 17, 95, 40, -1, 64, 3], device=DEV))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_reshape_and_cache_strided_padded_misaligned_pool(dtype):
-    H, D, bs = 2, 64, 16
-    # Slices of a fused qkv tensor, graph padding rows beyond slot_mapping, a strided slot
-    # mapping, and caches that are layer 1 of a [layers, blocks, ...] pool.
-    qkv = torch.randn(10, 8 + 2 * H, D, device=DEV).to(dtype)
-    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]
-    x = cache_x(dtype)
-    kpool = torch.full((3, 8, H, D // x, bs, x), float("nan"), dtype=dtype, device=DEV)
-    vpool = torch.full((3, 8, H, D, bs), float("nan"), dtype=dtype, device=DEV)
-    kc, vc = kpool[1], vpool[1]
-    slots = torch.tensor([5, 99, 16, -1, 127, 0, 64], device=DEV)
-    strided = torch.stack([slots, torch.full_like(slots, -9)], 1).reshape(-1)[::2]
-    check_cache_write(k, v, kc, vc, strided)
-    assert torch.isnan(kpool[0]).all() and torch.isnan(kpool[2]).all()
-    # Key/value one element off 16-byte alignment: the scalar path.
-    base = torch.randn(6, H, D + 1, device=DEV).to(dtype)
-    k2, v2 = base[..., 1:], base.flip(0)[..., 1:]
-    check_cache_write(k2, v2, kc, vc, torch.tensor([1, 2, 3, 30, 31, -1], device=DEV))
-
-
 def test_reshape_and_cache_out_of_range_slot_is_skipped():
-    kc, vc = nan_caches(4, 2, 64, 16, torch.float16)
+    kc, vc = nan_caches(4, 2, 64, 16, torch.float16, DEV)
     before_k, before_v = kc.clone(), vc.clone()
     k = torch.randn(4, 2, 64, device=DEV).half()
     slots = torch.tensor([3, 64, 10**12, 20], device=DEV)  # 64 = num_blocks * block_size
@@ -350,7 +281,7 @@ def test_reshape_and_cache_out_of_range_slot_is_skipped():
 
 
 def test_reshape_and_cache_empty_and_bad_input_leaves_cache_unchanged():
-    kc, vc = nan_caches(4, 2, 64, 16, torch.float32)
+    kc, vc = nan_caches(4, 2, 64, 16, torch.float32, DEV)
     k = torch.randn(3, 2, 64, device=DEV)
     paged_ops.reshape_and_cache(k, k, kc, vc, torch.empty(0, dtype=torch.int64, device=DEV))
     with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
