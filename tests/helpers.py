@@ -241,3 +241,38 @@ def check_cache_write(k, v, kc, vc, slots, *, ref_slots=None):
     if not on_cpu:
         assert_same(kc, cpu_k)
         assert_same(vc, cpu_v)
+
+
+def _cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+def check_attention(pg, q, dtype, *, out=None, compare_cpu=True, **kw):
+    """Decode attention on the query's device vs the reference on the same cache contents; off
+    the CPU also vs the CPU kernel on identical inputs (unless ``compare_cpu`` is False).
+    ``kw``: the op's options (``scale`` defaults to head_size ** -0.5). Returns the output."""
+    scale = kw.pop("scale", q.shape[-1] ** -0.5)
+    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale, out=out, **kw)
+    synchronize(q.device)
+    assert got.device == q.device and got.dtype == q.dtype and got.shape == q.shape
+    if out is None:
+        assert got.is_contiguous()
+    assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
+    kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
+    bt, sl = pg.block_tables.cpu(), pg.seq_lens.cpu()
+    want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
+                         kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0))
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+    if compare_cpu and q.device.type != "cpu":
+        cpu = paged_ops.paged_attention(q.cpu(), kc, vc, bt, sl, scale,
+                                        **{k: _cpu(v) for k, v in kw.items()})
+        torch.testing.assert_close(got.cpu().float(), cpu.float(), **TOL[dtype])
+    return got
+
+
+def per_device(cpu, cuda):
+    """Parameter sets for a test whose grid differs per device: ``("cpu", *p)`` for each tuple
+    ``p`` of ``cpu`` and ``("cuda", *p)`` (marked as CUDA) for each of ``cuda``."""
+    return ([pytest.param("cpu", *p) for p in cpu]
+            + [pytest.param("cuda", *p, marks=CUDA) for p in cuda])

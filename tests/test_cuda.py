@@ -9,9 +9,11 @@ import torch
 import paged_ops
 from paged_ops import reference as ref
 from tests.helpers import (
+    CUDA,
     TOL,
     assert_same,
     cache_x,
+    check_attention,
     decode_step_inputs,
     fp8_write_inputs,
     make_paged,
@@ -21,11 +23,7 @@ from tests.helpers import (
     random_query,
 )
 
-HAVE_CUDA = torch.cuda.is_available() and paged_ops.built_with_cuda()
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a build with CUDA kernels"),
-]
+pytestmark = CUDA
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
@@ -37,43 +35,9 @@ def _cpu(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
 
-def check_attention(pg, q, dtype, *, out=None, compare_cpu=True, **kw):
-    """CUDA result vs the reference (same cache contents) and vs the CPU kernel."""
-    scale = kw.pop("scale", q.shape[-1] ** -0.5)
-    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, scale, out=out, **kw)
-    torch.cuda.synchronize()
-    assert got.device == q.device and got.dtype == q.dtype and got.shape == q.shape
-    if out is None:
-        assert got.is_contiguous()
-    assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
-    kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
-    bt, sl = pg.block_tables.cpu(), pg.seq_lens.cpu()
-    want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
-                         kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0))
-    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
-    if compare_cpu:
-        cpu = paged_ops.paged_attention(q.cpu(), kc, vc, bt, sl, scale,
-                                        **{k: _cpu(v) for k, v in kw.items()})
-        torch.testing.assert_close(got.cpu().float(), cpu.float(), **TOL[dtype])
-    return got
-
-
 # ------------------------------------------------------------------------------------------
-# attention
+# attention (the grid and empty batches: test_attention.py)
 # ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", HEAD_SIZES)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_attention_grid(dtype, head_size, block_size):
-    bs = block_size
-    lens = [0, 1, bs - 1, bs, bs + 1, 2 * bs + 5, 70]
-    pg = make_paged(lens, 2, head_size, bs, dtype, device=DEV, seed=head_size + bs)
-    q = random_query(len(lens), 8, head_size, dtype, device=DEV, scale=2.0)
-    out = check_attention(pg, q, dtype)
-    assert (out[0] == 0).all()  # seq_len 0 -> zero row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -166,17 +130,6 @@ def test_attention_out_strided(dtype):
     assert got.data_ptr() == out.data_ptr()
     assert (buf[:, :, 0] == 123.0).all(), "attention_out wrote outside out"
     assert (out[0] == 0).all()
-
-
-def test_attention_zero_length_all_and_empty_batch():
-    pg = make_paged([0, 0, 0], 2, 64, 16, torch.float16, device=DEV)
-    q = random_query(3, 4, 64, torch.float16, device=DEV)
-    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens)
-    assert (out == 0).all()
-    empty = paged_ops.paged_attention(q[:0], pg.key_cache, pg.value_cache, pg.block_tables[:0],
-                                      pg.seq_lens[:0])
-    assert empty.shape == (0, 4, 64) and empty.is_cuda
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
