@@ -534,18 +534,6 @@ def test_multi_token_strided_query_out_and_pool_view(dtype):
     check_general(pg, qkv[:, :H], TOL[dtype], qsl=wide[::2])
 
 
-def test_multi_token_empty_inputs():
-    pg = make_paged([0, 5], 2, 64, 16, torch.float16, device=DEV)
-    q = random_query(0, 4, 64, torch.float16, device=DEV)
-    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, query_start_loc=qsl_of([0, 0]))
-    assert out.shape == (0, 4, 64) and out.is_cuda
-    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables[:0],
-                                    pg.seq_lens[:0], query_start_loc=qsl_of([]))
-    assert out.shape == (0, 4, 64)
-    torch.cuda.synchronize()
-
-
 def test_multi_token_memory_safety_bad_device_indices():
     # The CUDA path cannot raise on device data: query_start_loc, seq_lens and block ids out of
     # range are clamped or skipped, never used to read or write outside the tensors.
@@ -766,18 +754,6 @@ def test_fp8_rejections_on_cuda():
 
 
 # ---- opcheck and CUDA graphs -----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_attention_query_start_loc(dtype):
-    pg, q, qsl = multi_batch([1, 6, 17], [1, 20, 40], 8, 2, 64, 16, dtype, seed=14)
-    args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
-    torch.library.opcheck(torch.ops.paged.attention.default, args, dict(query_start_loc=qsl))
-    torch.library.opcheck(torch.ops.paged.attention.default, args,
-                          dict(alibi_slopes=torch.rand(8, device=DEV), sliding_window=9,
-                               logits_soft_cap=4.0, max_seq_len=40, query_start_loc=qsl))
-    torch.library.opcheck(torch.ops.paged.attention_out.default, (torch.empty_like(q),) + args,
-                          dict(query_start_loc=qsl))
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
