@@ -276,3 +276,48 @@ def per_device(cpu, cuda):
     ``p`` of ``cpu`` and ``("cuda", *p)`` (marked as CUDA) for each of ``cuda``."""
     return ([pytest.param("cpu", *p) for p in cpu]
             + [pytest.param("cuda", *p, marks=CUDA) for p in cuda])
+
+
+def assert_same_bytes(a, b):
+    """Byte-for-byte equal (compared on the CPU)."""
+    a, b = a.cpu(), b.cpu()
+    assert a.dtype == b.dtype and a.shape == b.shape
+    diff = a.view(torch.uint8) != b.view(torch.uint8)
+    assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def nan_fp8_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device="cpu"):
+    """An fp8 key/value cache pair holding NaN (0x7F in both formats) in every slot."""
+    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
+                                         device=device)
+    kc.view(torch.uint8).fill_(0x7F)
+    vc.view(torch.uint8).fill_(0x7F)
+    return kc, vc
+
+
+def check_fp8_write(k, v, kc, vc, slots, ks, vs):
+    """An fp8 reshape_and_cache on the caches' device vs the reference: every byte equal, except
+    that a NaN the reference writes may be any NaN; every other written value is finite
+    (saturated). Off the CPU also vs the CPU kernel, byte for byte."""
+    before_k, before_v = kc.cpu().clone(), vc.cpu().clone()
+    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), before_k, before_v, slots.cpu(),
+                                           ks.cpu(), vs.cpu())
+    on_cpu = kc.device.type == "cpu"
+    if not on_cpu:
+        cpu_k, cpu_v = before_k.clone(), before_v.clone()
+        paged_ops.reshape_and_cache(k.cpu(), v.cpu(), cpu_k, cpu_v, slots.cpu(),
+                                    k_scale=ks.cpu(), v_scale=vs.cpu())
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+    synchronize(kc.device)
+    if not on_cpu:
+        assert_same_bytes(kc, cpu_k)
+        assert_same_bytes(vc, cpu_v)
+    for got, want, before in ((kc, want_k, before_k), (vc, want_v, before_v)):
+        got = got.cpu()
+        written = got.view(torch.uint8) != before.view(torch.uint8)
+        written |= want.view(torch.uint8) != before.view(torch.uint8)
+        nan = want.float().isnan()
+        assert torch.equal(got.float().isnan(), nan)
+        diff = (got.view(torch.uint8) != want.view(torch.uint8)) & ~(nan & written)
+        assert not diff.any(), f"{int(diff.sum())} bytes differ from the reference"
+        assert got.float()[written & ~nan].isfinite().all()

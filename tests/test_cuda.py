@@ -12,13 +12,15 @@ from tests.helpers import (
     CUDA,
     TOL,
     assert_same,
+    assert_same_bytes,
     cache_x,
     check_attention,
+    check_fp8_write,
     decode_step_inputs,
-    fp8_write_inputs,
     make_paged,
     make_paged_fp8,
     nan_caches,
+    nan_fp8_caches,
     one_thread,
     random_query,
 )
@@ -573,71 +575,6 @@ def fp8_paged(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=0, **kw
     return pg
 
 
-def assert_same_bytes(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    diff = a.cpu().view(torch.uint8) != b.cpu().view(torch.uint8)
-    assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}"
-
-
-def nan_fp8_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device=DEV):
-    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
-                                         device=device)
-    kc.view(torch.uint8).fill_(0x7F)  # NaN in both formats
-    vc.view(torch.uint8).fill_(0x7F)
-    return kc, vc
-
-
-def check_fp8_write(k, v, kc, vc, slots, ks, vs):
-    """CUDA fp8 write vs the CPU kernel and the reference, byte for byte."""
-    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), slots.cpu(),
-                                           ks.cpu(), vs.cpu())
-    cpu_k, cpu_v = kc.cpu().clone(), vc.cpu().clone()
-    paged_ops.reshape_and_cache(k.cpu(), v.cpu(), cpu_k, cpu_v, slots.cpu(), k_scale=ks.cpu(),
-                                v_scale=vs.cpu())
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
-    torch.cuda.synchronize()
-    assert_same_bytes(kc, cpu_k)
-    assert_same_bytes(vc, cpu_v)
-    for got, want in ((kc, want_k), (vc, want_v)):  # the reference agrees up to NaN payloads
-        nan = want.float().isnan()
-        assert torch.equal(got.cpu().float().isnan(), nan)
-        assert not ((got.cpu().view(torch.uint8) != want.view(torch.uint8)) & ~nan).any()
-
-
-@pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("in_dtype", DTYPES)
-@pytest.mark.parametrize("head_size,block_size", [(64, 1), (128, 16), (80, 32), (256, 8),
-                                                  (32, 16)])
-def test_fp8_reshape_and_cache_bitwise(cache_dtype, in_dtype, head_size, block_size):
-    g = torch.Generator().manual_seed(head_size + block_size)
-    num_blocks, H, n = 10, 2, 23
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
-    slots[5] = -1
-    k = torch.randn(n, H, head_size, generator=g) * 3
-    v = torch.randn(n, H, head_size, generator=g) * 2
-    # Saturation (beyond +-max after the division), +-Inf, NaN, tiny values, exact zeros.
-    k[0, 0, :8] = torch.tensor([1e6, -1e6, float("inf"), -float("inf"), float("nan"), 1e-30,
-                                -0.0, 0.0])
-    v[1, 1, :4] = torch.tensor([-1e9, 7e4, float("nan"), -float("nan")])
-    kc, vc = nan_fp8_caches(num_blocks, H, head_size, block_size, cache_dtype)
-    ks = torch.tensor([0.05], device=DEV)
-    vs = torch.tensor([0.03], device=DEV)
-    check_fp8_write(k.to(in_dtype).to(DEV), v.to(in_dtype).to(DEV), kc, vc, slots.to(DEV), ks,
-                    vs)
-
-
-@pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("in_dtype", DTYPES)
-def test_fp8_reshape_and_cache_every_16_bit_input_and_specials(cache_dtype, in_dtype):
-    D = 128
-    x = fp8_write_inputs(in_dtype, D).to(DEV)
-    n = x.shape[0]
-    for scale in (1.0, 0.0371, 2.5e-3, 700.0):
-        s = torch.tensor([scale], device=DEV)
-        kc, vc = nan_fp8_caches(n, 1, D, 1, cache_dtype)
-        check_fp8_write(x, x.flip(0), kc, vc, torch.randperm(n).to(DEV), s, s)
-
-
 @pytest.mark.parametrize("cache_dtype", FP8)
 def test_fp8_reshape_and_cache_strided_misaligned_pool_and_bad_slots(cache_dtype):
     H, D, bs = 2, 64, 16
@@ -712,7 +649,7 @@ def test_fp8_write_then_attend_end_to_end(cache_dtype):
     H, Hkv, D, bs = 8, 2, 128, 16
     lens = [20, 77]
     g = torch.Generator().manual_seed(0)
-    kc, vc = nan_fp8_caches(16, Hkv, D, bs, cache_dtype)
+    kc, vc = nan_fp8_caches(16, Hkv, D, bs, cache_dtype, DEV)
     bt = torch.tensor([[3, 9, 0, 0, 0, 0], [1, 4, 7, 12, 2, 15]], dtype=torch.int32, device=DEV)
     slots = torch.cat([bt[s, torch.arange(L) // bs].long().cpu() * bs + torch.arange(L) % bs
                        for s, L in enumerate(lens)]).to(DEV)
@@ -766,7 +703,7 @@ def test_opcheck_fp8(cache_dtype):
     qm = random_query(9, 8, 64, torch.bfloat16, device=DEV)
     torch.library.opcheck(torch.ops.paged.attention.default, (qm,) + args[1:],
                           dict(query_start_loc=qsl_of([1, 4, 4]), **scales))
-    kc, vc = nan_fp8_caches(4, 2, 64, 16, cache_dtype)
+    kc, vc = nan_fp8_caches(4, 2, 64, 16, cache_dtype, DEV)
     kc.view(torch.uint8).zero_()
     vc.view(torch.uint8).zero_()
     torch.library.opcheck(torch.ops.paged.reshape_and_cache.default,
