@@ -1,5 +1,10 @@
-"""Every paged op on CUDA, against paged_ops.reference and against the CPU kernels on identical
-inputs. Skipped cleanly without a GPU or without the CUDA kernels compiled in."""
+"""CUDA-only tests, against paged_ops.reference and against the CPU kernels on identical inputs:
+what exists because of the CUDA kernels (group-tile configurations, split-K partitions, the
+tensor-core and CUDA-core multi-token kernels, the head and block sizes the CUDA backend is
+built for, device data that cannot raise, pinned and device-to-device swaps, CUDA graphs, a
+second device). Tests that run on every device take the device fixture in their feature's file
+(test_attention.py, test_cache_ops.py, test_multi_token.py, test_fp8.py, test_compile.py).
+Skipped cleanly without a GPU or without the CUDA kernels compiled in."""
 
 from __future__ import annotations
 
