@@ -37,7 +37,7 @@ class BlockPool:
     """
 
     __slots__ = ("name", "num_blocks", "ref", "free", "cache", "block_key", "evictable",
-                 "twins", "_other")
+                 "twins", "_other_twins")
 
     def __init__(self, num_blocks: int, name: str = "GPU"):
         self.name = name
@@ -50,12 +50,14 @@ class BlockPool:
         self.block_key: list[tuple | None] = [None] * self.num_blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.twins: dict[int, int] = {}
-        self._other: BlockPool | None = None
+        self._other_twins: dict[int, int] = {}  # the paired pool's twins
 
     def pair(self, other: BlockPool) -> None:
         """Make ``other`` the pool whose blocks can be twins of this pool's (both ways)."""
-        self._other = other
-        other._other = self
+        # Each pool holds the other's twin map, not the other pool: no reference cycle, so a
+        # dropped manager's pools are freed at once, not by the cyclic garbage collector.
+        self._other_twins = other.twins
+        other._other_twins = self.twins
 
     def __repr__(self) -> str:
         return (f"BlockPool({self.name}, num_blocks={self.num_blocks}, free={len(self.free)}, "
@@ -165,13 +167,13 @@ class BlockPool:
     def link_twin(self, b: int, other_b: int) -> None:
         """Record that block ``other_b`` of the paired pool holds the same data as ``b``."""
         self.twins[b] = other_b
-        self._other.twins[other_b] = b
+        self._other_twins[other_b] = b
 
     def drop_twin(self, b: int) -> None:
         """Forget the twin of block ``b``, if any (its data is about to change or go)."""
         t = self.twins.pop(b, None)
         if t is not None:
-            del self._other.twins[t]
+            del self._other_twins[t]
 
     def snapshot(self) -> dict:
         """A deep, comparable copy of the pool's state."""
