@@ -4,7 +4,7 @@ The cache itself is a pool of ``num_blocks`` physical blocks of ``block_size`` t
 (``paged_ops.allocate_kv_cache``). Sequences see it through a *block table*: logical block
 ``i`` of a sequence (positions ``i*block_size .. (i+1)*block_size - 1``) lives in physical block
 ``table[i]``, so position ``p`` lives in slot ``table[p // block_size] * block_size +
-p % block_size`` (DESIGN.md §2). :class:`BlockManager` owns that metadata and turns it into
+p % block_size``. :class:`BlockManager` owns that metadata and turns it into
 the int32/int64 tensors the ops take; it never touches the cache tensors: every method that
 needs data moved returns ``(src, dst)`` block pairs for the caller to apply with
 ``paged_ops.copy_blocks`` (copy-on-write) or ``paged_ops.swap_blocks`` (swap).
@@ -25,19 +25,17 @@ Typical engine loop::
 
 from __future__ import annotations
 
-import heapq
 from array import array
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockManager", "BlockManagerStats", "OutOfBlocks"]
+from . import block_tensors as bt
+from .block_pool import BlockPool
+from .prefix_hash import chain_keys
 
-# Parent "hash" of a sequence's first block. Any fixed int works; hash(None) is not stable
-# across processes before Python 3.12.
-_ROOT_HASH = 0x9E3779B97F4A7C15 & ((1 << 61) - 1)
+__all__ = ["BlockManager", "BlockManagerStats", "OutOfBlocks"]
 
 
 class OutOfBlocks(RuntimeError):
@@ -101,8 +99,8 @@ class BlockManagerStats:
         return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
-class _Seq:
-    """Per-sequence state. ``table`` holds GPU block ids, or CPU block ids while swapped."""
+class _SeqBlocks:
+    """The blocks of one sequence: ``table`` holds GPU block ids, or CPU ids while swapped."""
 
     __slots__ = ("table", "length", "swapped", "keys", "pending")
 
@@ -131,25 +129,13 @@ def _as_token_list(token_ids, num_tokens: int) -> list[int] | None:
     return token_ids
 
 
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    if device is None:
-        return t
-    device = torch.device(device)
-    if device.type == "cpu":
-        return t
-    # Pinned staging lets the host->device copy overlap; fall back when pinning is unavailable.
-    try:
-        return t.pin_memory().to(device, non_blocking=True)
-    except RuntimeError:
-        return t.to(device)
-
-
 class BlockManager:
-    """Block tables, reference counts and free lists of a paged KV cache (seed 000 §7-19).
+    """Block tables of the sequences in a paged KV cache, over a GPU and a CPU block pool.
 
-    * GPU block ids are ``0 .. num_blocks-1``, CPU block ids ``0 .. num_cpu_blocks-1``. The free
-      lists are min-heaps: the lowest free id is always handed out first, so block ids are a
-      deterministic function of the call sequence.
+    * GPU block ids are ``0 .. num_blocks-1``, CPU block ids ``0 .. num_cpu_blocks-1``; each
+      pool is a :class:`~paged_ops.block_pool.BlockPool` (ref counts, a min-heap free list:
+      the lowest free id is handed out first, so block ids are a deterministic function of
+      the call sequence).
     * A sequence of length ``L`` owns exactly ``ceil(L / block_size)`` blocks. Blocks are shared
       by :meth:`fork` and by prefix caching; the ref count of a block is the number of block
       tables holding it. A shared block is never written: :meth:`append_slots` copies a shared,
@@ -189,7 +175,7 @@ class BlockManager:
         """Create a manager for ``num_blocks`` GPU blocks of ``block_size`` slots.
 
         ``num_cpu_blocks`` sizes the CPU pool used by :meth:`swap_out` (0: no swapping).
-        ``enable_prefix_caching`` turns on automatic prefix caching (seed 000 §18).
+        ``enable_prefix_caching`` turns on automatic prefix caching.
         """
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -202,24 +188,14 @@ class BlockManager:
         self.num_cpu_blocks = int(num_cpu_blocks)
         self.enable_prefix_caching = bool(enable_prefix_caching)
 
-        self._seqs: dict[Hashable, _Seq] = {}
-        self._ref = [0] * self.num_blocks
-        self._free = list(range(self.num_blocks))  # sorted list is a valid min-heap
-        # Prefix cache: key -> GPU block, the key of each registered block, and the ref-0
-        # registered blocks in release order (first = least recently used = next to evict).
-        self._cache: dict[tuple, int] = {}
-        self._block_key: list[tuple | None] = [None] * self.num_blocks
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._seqs: dict[Hashable, _SeqBlocks] = {}
+        self._gpu = BlockPool(self.num_blocks, "GPU")
+        # The swap pool. A GPU block and a CPU block holding the same data are twins: swapping
+        # a block that has a twin moves a reference instead of copying data again.
+        self._cpu = BlockPool(self.num_cpu_blocks, "CPU")
+        self._gpu.pair(self._cpu)
         self._queried_tokens = 0
         self._hit_tokens = 0
-
-        self._cpu_ref = [0] * self.num_cpu_blocks
-        self._cpu_free = list(range(self.num_cpu_blocks))
-        # "Twins": a live GPU block and a live CPU block holding the same data. Swapping a
-        # block that already has a twin moves a reference instead of copying data again; a
-        # twin pair is dropped when either block is released or the GPU block is written.
-        self._g2c: dict[int, int] = {}
-        self._c2g: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return (
@@ -233,17 +209,17 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """GPU blocks an allocation can take now: free blocks plus evictable cached blocks."""
-        return len(self._free) + len(self._evictable)
+        return self._gpu.num_free
 
     @property
     def num_cached_blocks(self) -> int:
         """Ref-0 GPU blocks kept by the prefix cache (evictable)."""
-        return len(self._evictable)
+        return self._gpu.num_cached
 
     @property
     def num_free_cpu_blocks(self) -> int:
         """Free blocks of the CPU (swap) pool."""
-        return len(self._cpu_free)
+        return self._cpu.num_free
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` positions: ``ceil(num_tokens / block_size)``."""
@@ -259,19 +235,19 @@ class BlockManager:
         """Ids of all live sequences (resident and swapped out), in creation order."""
         return list(self._seqs)
 
-    def _get(self, seq_id: Hashable) -> _Seq:
+    def _get(self, seq_id: Hashable) -> _SeqBlocks:
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"unknown sequence {seq_id!r}") from None
 
-    def _resident(self, seq_id: Hashable) -> _Seq:
+    def _resident(self, seq_id: Hashable) -> _SeqBlocks:
         seq = self._get(seq_id)
         if seq.swapped:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap_in() it first")
         return seq
 
-    def _resident_many(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
+    def _resident_many(self, seq_ids: Iterable[Hashable]) -> list[_SeqBlocks]:
         # Batch lookup for the per-step paths: one comprehension instead of a call per id.
         seqs = self._seqs
         try:
@@ -308,19 +284,15 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         """Number of block tables holding GPU block ``block_id``."""
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"GPU block id {block_id} out of range [0, {self.num_blocks})")
-        return self._ref[block_id]
+        return self._gpu.ref_count(block_id)
 
     def cpu_ref_count(self, block_id: int) -> int:
         """Number of (swapped-out) block tables holding CPU block ``block_id``."""
-        if not 0 <= block_id < self.num_cpu_blocks:
-            raise ValueError(f"CPU block id {block_id} out of range [0, {self.num_cpu_blocks})")
-        return self._cpu_ref[block_id]
+        return self._cpu.ref_count(block_id)
 
     def is_cached(self, block_id: int) -> bool:
         """Whether GPU block ``block_id`` is registered in the prefix cache (any ref count)."""
-        return self._block_key[block_id] is not None
+        return self._gpu.is_cached(block_id)
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
         """Physical slots of positions ``start .. end-1`` of a resident sequence.
@@ -330,59 +302,9 @@ class BlockManager:
         seq = self._resident(seq_id)
         if not 0 <= start <= end <= seq.length:
             raise ValueError(f"bad position range [{start}, {end}) for length {seq.length}")
-        return self._slots(seq.table, start, end)
+        return bt.slots(seq.table, start, end, self.block_size)
 
-    def _slots(self, table: array, start: int, end: int) -> list[int]:
-        # One range() per block, not one Python step per token.
-        bs = self.block_size
-        out: list[int] = []
-        i = start // bs
-        while start < end:
-            hi = min(end, (i + 1) * bs)
-            base = table[i] * bs - i * bs
-            out.extend(range(base + start, base + hi))
-            start = hi
-            i += 1
-        return out
-
-    # ------------------------------------------------------------------ GPU pool internals
-    def _take(self) -> int:
-        """Pop a GPU block with ref count 1; evicts the LRU cached block when none is free."""
-        if self._free:
-            b = heapq.heappop(self._free)
-        else:
-            b, _ = self._evictable.popitem(last=False)
-            del self._cache[self._block_key[b]]
-            self._block_key[b] = None
-        self._ref[b] = 1
-        return b
-
-    def _release(self, b: int) -> None:
-        """Return a GPU block whose ref count just dropped to 0."""
-        c = self._g2c.pop(b, None)
-        if c is not None:
-            del self._c2g[c]
-        if self._block_key[b] is not None:
-            self._evictable[b] = None  # most recently used end
-        else:
-            heapq.heappush(self._free, b)
-
-    def _register(self, b: int, key: tuple) -> None:
-        # First block with a key wins; a later duplicate stays unregistered and is freed
-        # normally (one cache entry per content).
-        if key not in self._cache and self._block_key[b] is None:
-            self._cache[key] = b
-            self._block_key[b] = key
-
-    def _chain_keys(self, tokens: list[int], first: int, count: int, parent_key) -> list:
-        bs = self.block_size
-        parent = _ROOT_HASH if parent_key is None else hash(parent_key)
-        keys = []
-        for i in range(first, first + count):
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
-            keys.append(key)
-            parent = hash(key)
-        return keys
+    # ------------------------------------------------------------------ prefix matching
 
     def _match_prefix(self, tokens: list[int] | None, num_tokens: int):
         """Keys of the prompt's full blocks and the cached blocks matching its prefix.
@@ -393,9 +315,9 @@ class BlockManager:
         """
         if tokens is None or not self.enable_prefix_caching:
             return None, []
-        keys = self._chain_keys(tokens, 0, num_tokens // self.block_size, None)
+        keys = chain_keys(tokens, 0, num_tokens // self.block_size, self.block_size, None)
         hits = []
-        cache = self._cache
+        cache = self._gpu.cache
         for key in keys[: (num_tokens - 1) // self.block_size]:
             b = cache.get(key)
             if b is None:
@@ -416,9 +338,9 @@ class BlockManager:
 
     def _alloc_avail(self, hits: list[int]) -> int:
         # Cached ref-0 blocks we are about to revive cannot also be evicted for fresh blocks.
-        ref = self._ref
+        ref = self._gpu.ref
         reviving = sum(1 for b in hits if ref[b] == 0)
-        return len(self._free) + len(self._evictable) - reviving
+        return self._gpu.num_free - reviving
 
     def allocate(
         self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None
@@ -448,25 +370,21 @@ class BlockManager:
                 available=avail,
             )
         # Commit. Revive hits before taking fresh blocks so eviction cannot pick them.
-        ref = self._ref
-        evictable = self._evictable
-        for b in hits:
-            if ref[b] == 0:
-                del evictable[b]
-            ref[b] += 1
+        gpu = self._gpu
+        gpu.share(hits)
         table = array("i", hits)
-        take = self._take
+        take = gpu.take
         table.extend([take() for _ in range(need)])
         pending = None
         if keys is not None:
             for i in range(len(hits), len(keys)):
-                self._register(table[i], keys[i])
+                gpu.register(table[i], keys[i])
             pending = tokens[len(keys) * self.block_size :]
             self._queried_tokens += num_tokens
             self._hit_tokens += len(hits) * self.block_size
         elif self.enable_prefix_caching:
             keys = []  # token ids unknown: nothing of this sequence is ever registered
-        self._seqs[seq_id] = _Seq(table, num_tokens, keys, pending)
+        self._seqs[seq_id] = _SeqBlocks(table, num_tokens, keys, pending)
         return len(hits) * self.block_size
 
     # ------------------------------------------------------------------ fork / free
@@ -481,10 +399,8 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} already exists")
         if parent.swapped:
             raise ValueError(f"cannot fork swapped-out sequence {parent_id!r}")
-        ref = self._ref
-        for b in parent.table:
-            ref[b] += 1
-        self._seqs[child_id] = _Seq(
+        self._gpu.share_held(parent.table)
+        self._seqs[child_id] = _SeqBlocks(
             array("i", parent.table),
             parent.length,
             None if parent.keys is None else list(parent.keys),
@@ -502,29 +418,15 @@ class BlockManager:
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
         if seq.swapped:
-            self._release_cpu(seq.table)
-            return
-        ref = self._ref
-        for b in reversed(seq.table):
-            ref[b] -= 1
-            if not ref[b]:
-                self._release(b)
-
-    def _release_cpu(self, table: array) -> None:
-        cpu_ref = self._cpu_ref
-        for c in table:
-            cpu_ref[c] -= 1
-            if not cpu_ref[c]:
-                g = self._c2g.pop(c, None)
-                if g is not None:
-                    del self._g2c[g]
-                heapq.heappush(self._cpu_free, c)
+            self._cpu.release_all(seq.table)
+        else:
+            self._gpu.release_all(reversed(seq.table))
 
     # ------------------------------------------------------------------ append
-    def _append_need(self, seq: _Seq, n: int) -> tuple[int, bool]:
+    def _append_need(self, seq: _SeqBlocks, n: int) -> tuple[int, bool]:
         """(blocks to take, whether the tail is copied on write) for appending n positions."""
         length = seq.length
-        cow = n > 0 and length % self.block_size != 0 and self._ref[seq.table[-1]] > 1
+        cow = n > 0 and length % self.block_size != 0 and self._gpu.ref[seq.table[-1]] > 1
         grow = -(-(length + n) // self.block_size) - len(seq.table)
         return grow + cow, cow
 
@@ -597,7 +499,7 @@ class BlockManager:
         # Exact need: k batch members sharing a partial tail of ref count r copy it
         # min(k, r - 1) times (the last holder, alone by then, writes in place).
         bs = self.block_size
-        ref = self._ref
+        ref = self._gpu.ref
         need = 0
         shared_tails: dict[int, int] = {}
         for seq, n in zip(seqs, counts, strict=True):
@@ -622,13 +524,14 @@ class BlockManager:
         if not shared_tails and token_ids is None and all(c == 1 for c in counts):
             # Decode fast path: one token each, no copy-on-write anywhere in the batch.
             caching = self.enable_prefix_caching
-            g2c = self._g2c
-            take = self._take
+            gpu = self._gpu
+            twins = gpu.twins
+            take = gpu.take
             for seq in seqs:
                 length = seq.length
                 if length % bs:
-                    if g2c:
-                        self._drop_gpu_twin(seq.table[-1])
+                    if twins:
+                        gpu.drop_twin(seq.table[-1])
                 else:
                     seq.table.append(take())
                 seq.length = length + 1
@@ -641,28 +544,24 @@ class BlockManager:
             append(seq, n, t, grow + cow, cow, out)
         return out
 
-    def _drop_gpu_twin(self, b: int) -> None:
-        c = self._g2c.pop(b, None)
-        if c is not None:
-            del self._c2g[c]
-
     def _append(
-        self, seq: _Seq, n: int, tokens: list[int] | None, need: int, cow: bool, out: list
+        self, seq: _SeqBlocks, n: int, tokens: list[int] | None, need: int, cow: bool, out: list
     ) -> None:
         """Commit an append whose block need was checked by the caller."""
         table = seq.table
+        gpu = self._gpu
         if cow:
             src = table[-1]
-            dst = self._take()
-            self._ref[src] -= 1  # stays >= 1: it was shared
+            dst = gpu.take()
+            gpu.release_all((src,))  # stays >= 1: it was shared
             table[-1] = dst
             out.append((src, dst))
             need -= 1
-        elif n and seq.length % self.block_size and self._g2c:
+        elif n and seq.length % self.block_size and gpu.twins:
             # The private tail is written in place: its CPU twin (if any) goes stale.
-            self._drop_gpu_twin(table[-1])
+            gpu.drop_twin(table[-1])
         if need:
-            take = self._take
+            take = gpu.take
             table.extend([take() for _ in range(need)])
         seq.length += n
         if seq.pending is not None and n:
@@ -675,9 +574,9 @@ class BlockManager:
                 if len(pending) >= bs:
                     keys = seq.keys
                     full = len(pending) // bs
-                    new = self._chain_keys(pending, 0, full, keys[-1] if keys else None)
+                    new = chain_keys(pending, 0, full, bs, keys[-1] if keys else None)
                     for key in new:
-                        self._register(table[len(keys)], key)
+                        gpu.register(table[len(keys)], key)
                         keys.append(key)
                     del pending[: full * bs]
 
@@ -685,7 +584,7 @@ class BlockManager:
     def can_swap_out(self, seq_id: Hashable) -> bool:
         """Whether :meth:`swap_out` would succeed now."""
         seq = self._resident(seq_id)
-        return self._swap_need(seq.table, self._g2c) <= len(self._cpu_free)
+        return self._swap_need(seq.table, self._gpu.twins) <= self._cpu.num_free
 
     @staticmethod
     def _swap_need(table: array, twins: dict[int, int]) -> int:
@@ -708,46 +607,43 @@ class BlockManager:
         ``OutOfBlocks`` (``pool="cpu"``) with no state change if the CPU pool is too small.
         """
         seq = self._resident(seq_id)
-        g2c, c2g = self._g2c, self._c2g
+        gpu, cpu = self._gpu, self._cpu
+        g2c = gpu.twins
         need = self._swap_need(seq.table, g2c)
-        if need > len(self._cpu_free):
+        avail = cpu.num_free
+        if need > avail:
             raise OutOfBlocks(
-                f"swap_out({seq_id!r}) needs {need} CPU blocks, {len(self._cpu_free)} free",
+                f"swap_out({seq_id!r}) needs {need} CPU blocks, {avail} free",
                 needed=need,
-                available=len(self._cpu_free),
+                available=avail,
                 pool="cpu",
             )
         mapping: list[tuple[int, int]] = []
-        cpu_ref = self._cpu_ref
         cpu_table = array("i")
         for g in seq.table:
             c = g2c.get(g)
             if c is None:
-                c = heapq.heappop(self._cpu_free)
-                g2c[g] = c
-                c2g[c] = g
+                c = cpu.take()
+                gpu.link_twin(g, c)
                 mapping.append((g, c))
-            cpu_ref[c] += 1
+            else:
+                cpu.share((c,))
             cpu_table.append(c)
-        ref = self._ref
-        for g in reversed(seq.table):
-            ref[g] -= 1
-            if not ref[g]:
-                self._release(g)
+        gpu.release_all(reversed(seq.table))
         seq.table = cpu_table
         seq.swapped = True
         return mapping
 
-    def _swap_in_plan(self, seq: _Seq) -> tuple[list, int, int]:
+    def _swap_in_plan(self, seq: _SeqBlocks) -> tuple[list, int, int]:
         """For each CPU block of ``seq``: the GPU block already holding its data, or None.
 
         Returns (plan, fresh blocks needed, cached ref-0 blocks revived). The data may be on
         the GPU as the block's twin or, with prefix caching, as a cached block of the same key.
         """
-        c2g = self._c2g
+        c2g = self._cpu.twins
         keys = seq.keys or ()
-        cache = self._cache
-        ref = self._ref
+        cache = self._gpu.cache
+        ref = self._gpu.ref
         plan = []
         seen: dict[int, int | None] = {}
         need = reviving = 0
@@ -798,16 +694,11 @@ class BlockManager:
                 needed=need,
                 available=avail,
             )
-        g2c, c2g = self._g2c, self._c2g
-        ref = self._ref
-        evictable = self._evictable
+        gpu, cpu = self._gpu, self._cpu
+        g2c, c2g = gpu.twins, cpu.twins
         # Commit. Take references to blocks already on the GPU first, so that reviving a
         # cached block happens before any eviction for the fresh ones.
-        for g in plan:
-            if g is not None:
-                if ref[g] == 0:
-                    del evictable[g]
-                ref[g] += 1
+        gpu.share([g for g in plan if g is not None])
         mapping: list[tuple[int, int]] = []
         gpu_table = array("i")
         fresh: dict[int, int] = {}
@@ -815,18 +706,17 @@ class BlockManager:
             if g is None:
                 g = fresh.get(c)
                 if g is None:
-                    g = fresh[c] = self._take()
+                    g = fresh[c] = gpu.take()
                     mapping.append((c, g))
                 else:
-                    ref[g] += 1
+                    gpu.share((g,))
             if c not in c2g and g not in g2c:
-                g2c[g] = c
-                c2g[c] = g
+                gpu.link_twin(g, c)
             gpu_table.append(g)
-        self._release_cpu(seq.table)
+        cpu.release_all(seq.table)
         if seq.keys:
             for i, key in enumerate(seq.keys):
-                self._register(gpu_table[i], key)
+                gpu.register(gpu_table[i], key)
         seq.table = gpu_table
         seq.swapped = False
         return mapping
@@ -837,13 +727,7 @@ class BlockManager:
 
         Blocks in use keep their registration (they stay matchable while referenced).
         """
-        n = len(self._evictable)
-        for b in self._evictable:
-            del self._cache[self._block_key[b]]
-            self._block_key[b] = None
-            heapq.heappush(self._free, b)
-        self._evictable.clear()
-        return n
+        return self._gpu.reset_cache()
 
     # ------------------------------------------------------------------ tensors
     def block_tables_tensor(
@@ -860,18 +744,7 @@ class BlockManager:
         width = longest if max_blocks is None else max_blocks
         if longest > width:
             raise ValueError(f"a block table has {longest} entries > max_blocks={max_blocks}")
-        if not tables or width == 0:
-            return _to_device(torch.zeros((len(tables), width), dtype=torch.int32), device)
-        # Byte-level concatenation: no per-entry Python int -> C int conversion.
-        zero = bytes(4 * width)
-        parts = []
-        for t in tables:
-            parts.append(t.tobytes())
-            if len(t) < width:
-                parts.append(zero[: 4 * (width - len(t))])
-        buf = bytearray(b"".join(parts))
-        t = torch.frombuffer(buf, dtype=torch.int32).view(len(tables), width)
-        return _to_device(t, device)
+        return bt.block_tables_tensor(tables, width, device)
 
     def seq_lens_tensor(self, seq_ids: Sequence[Hashable], device=None) -> torch.Tensor:
         """int32 ``[len(seq_ids)]`` sequence lengths (swapped-out sequences included)."""
@@ -880,7 +753,7 @@ class BlockManager:
             lens = array("i", [seqs[s].length for s in seq_ids])
         except KeyError as e:
             raise KeyError(f"unknown sequence {e.args[0]!r}") from None
-        return _to_device(_tensor_from_array(lens, torch.int32), device)
+        return bt.int32_tensor(lens, device)
 
     def slot_mapping_tensor(
         self,
@@ -917,8 +790,8 @@ class BlockManager:
             for seq, n in zip(seqs, counts, strict=True):
                 if not 0 <= n <= seq.length:
                     raise ValueError(f"num_new_tokens {n} out of range for length {seq.length}")
-                slots.extend(self._slots(seq.table, seq.length - n, seq.length))
-        return self._slots_tensor(slots, pad_to, device)
+                slots.extend(bt.slots(seq.table, seq.length - n, seq.length, bs))
+        return bt.slots_tensor(slots, pad_to, device)
 
     def slot_mapping_spans_tensor(
         self,
@@ -931,30 +804,19 @@ class BlockManager:
 
         For chunked prefill and other layouts :meth:`slot_mapping_tensor` does not cover.
         """
+        bs = self.block_size
         slots: list[int] = []
         for seq_id, start, end in spans:
             seq = self._resident(seq_id)
             if not 0 <= start <= end <= seq.length:
                 raise ValueError(f"bad position range [{start}, {end}) for length {seq.length}")
-            slots.extend(self._slots(seq.table, start, end))
-        return self._slots_tensor(slots, pad_to, device)
-
-    @staticmethod
-    def _slots_tensor(slots: list[int], pad_to: int | None, device) -> torch.Tensor:
-        if pad_to is not None:
-            if pad_to < len(slots):
-                raise ValueError(f"pad_to={pad_to} < {len(slots)} slots")
-            slots.extend([-1] * (pad_to - len(slots)))
-        return _to_device(_tensor_from_array(array("q", slots), torch.int64), device)
+            slots.extend(bt.slots(seq.table, start, end, bs))
+        return bt.slots_tensor(slots, pad_to, device)
 
     @staticmethod
     def block_mapping_tensor(pairs: Sequence[tuple[int, int]], device=None) -> torch.Tensor:
         """int64 ``[n, 2]`` tensor of ``(src, dst)`` pairs for ``copy_blocks``/``swap_blocks``."""
-        flat = array("q")
-        for s, d in pairs:
-            flat.append(s)
-            flat.append(d)
-        return _to_device(_tensor_from_array(flat, torch.int64).view(-1, 2), device)
+        return bt.block_mapping_tensor(pairs, device)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> BlockManagerStats:
@@ -973,18 +835,19 @@ class BlockManager:
                 # A shared partial tail is held at the same fill by all its holders.
                 tail = seq.table[-1]
                 partial_tails[tail] = max(partial_tails.get(tail, 0), r)
-        used = self.num_blocks - len(self._free) - len(self._evictable)
+        gpu = self._gpu
+        used = self.num_blocks - gpu.num_free
         waste = sum(bs - r for r in partial_tails.values())
-        cpu_free = len(self._cpu_free)
+        cpu_free = self._cpu.num_free
         return BlockManagerStats(
             num_blocks=self.num_blocks,
             block_size=bs,
             used_blocks=used,
-            free_blocks=len(self._free),
-            cached_blocks=len(self._evictable),
+            free_blocks=len(gpu.free),
+            cached_blocks=gpu.num_cached,
             num_seqs=num_seqs,
             num_tokens=num_tokens,
-            shared_blocks=sum(1 for r in self._ref if r > 1),
+            shared_blocks=gpu.num_shared(),
             tail_waste_slots=waste,
             stored_tokens=used * bs - waste,
             num_swapped_seqs=swapped,
@@ -1000,6 +863,7 @@ class BlockManager:
 
         Two snapshots are equal iff the managers would behave identically from then on.
         """
+        gpu, cpu = self._gpu.snapshot(), self._cpu.snapshot()
         return {
             "seqs": {
                 sid: (
@@ -1012,34 +876,26 @@ class BlockManager:
                 for sid, s in self._seqs.items()
             },
             "seq_order": list(self._seqs),
-            "ref": list(self._ref),
-            "free": list(self._free),
-            "cache": dict(self._cache),
-            "block_key": list(self._block_key),
-            "evictable": list(self._evictable),
-            "cpu_ref": list(self._cpu_ref),
-            "cpu_free": list(self._cpu_free),
-            "g2c": dict(self._g2c),
-            "c2g": dict(self._c2g),
+            "ref": gpu["ref"],
+            "free": gpu["free"],
+            "cache": gpu["cache"],
+            "block_key": gpu["block_key"],
+            "evictable": gpu["evictable"],
+            "cpu_ref": cpu["ref"],
+            "cpu_free": cpu["free"],
+            "g2c": gpu["twins"],
+            "c2g": cpu["twins"],
             "counters": (self._queried_tokens, self._hit_tokens),
         }
 
     def free_block_ids(self) -> list[int]:
         """Sorted ids of the GPU blocks on the free list (not counting cached blocks)."""
-        return sorted(self._free)
+        return self._gpu.free_ids()
 
     def cached_block_ids(self) -> list[int]:
         """Ref-0 cached GPU blocks, least recently used (next to be evicted) first."""
-        return list(self._evictable)
+        return self._gpu.cached_ids()
 
     def free_cpu_block_ids(self) -> list[int]:
         """Sorted ids of the free CPU blocks."""
-        return sorted(self._cpu_free)
-
-
-def _tensor_from_array(a: array, dtype: torch.dtype) -> torch.Tensor:
-    # torch.frombuffer keeps the buffer alive and skips per-element conversion; it rejects
-    # empty buffers, hence the special case.
-    if not len(a):
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(a, dtype=dtype)
+        return self._cpu.free_ids()

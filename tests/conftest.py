@@ -4,7 +4,9 @@ import os
 import time
 
 import pytest
-from cpu_variants import VARIANTS, use
+
+from tests.cpu_variants import VARIANTS, use
+from tests.helpers import DEVICES
 
 
 @pytest.fixture(params=VARIANTS)
@@ -23,3 +25,25 @@ _DEADLINE = float(os.environ.get("PAGED_OPS_TEST_DEADLINE", "inf"))
 def pytest_runtest_setup(item):
     if time.time() > _DEADLINE:
         pytest.skip("not started: out of the time budget (PAGED_OPS_TEST_DEADLINE)")
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Run the test on each device: "cpu" always, "cuda" (marked ``cuda``) where a GPU and the
+    CUDA kernels are present, skipped otherwise."""
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    # A CUDA run of a test that also takes cpu_variant needs one CPU kernel build (the others
+    # are what the CPU runs of the test cover).
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("device") == "cuda" and params.get("cpu_variant", VARIANTS[0]) != VARIANTS[0]:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -6,7 +6,25 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+import paged_ops
+from paged_ops import reference as ref
+
+HAVE_CUDA = torch.cuda.is_available() and paged_ops.built_with_cuda()
+# Marks of a test (or parameter) that needs CUDA: selected by `-m cuda`, skipped without a GPU.
+CUDA = [pytest.mark.cuda,
+        pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a build with CUDA kernels")]
+# The devices of the `device` fixture (conftest.py): for parametrizing by hand.
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def synchronize(device) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 TOL = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
@@ -169,3 +187,118 @@ def fp8_write_inputs(in_dtype, D):
     else:
         x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype)
     return torch.cat([x, torch.zeros((-x.numel()) % D, dtype=x.dtype)]).reshape(-1, 1, D)
+
+
+def decode_step_inputs(num_seqs, seed, dtype=torch.float32, lens=None, device="cpu"):
+    """Inputs of a decode step (q, k, v, key_cache, value_cache, slot_mapping, block_tables,
+    seq_lens) appending one token at position L of each sequence (L + 1 visible), within the
+    allocated blocks or in a fresh spare block."""
+    bs = 16
+    lens = lens or [3 + 9 * i for i in range(num_seqs)]
+    pg = make_paged(lens, 2, 64, bs, dtype, device=device, seed=seed, extra_blocks=num_seqs)
+    bt = pg.block_tables.clone()
+    used = set(bt[bt >= 0].tolist()) & set(range(pg.key_cache.shape[0]))
+    free = [b for b in range(pg.key_cache.shape[0]) if b not in used]
+    slots = []
+    for s, L in enumerate(lens):
+        if L % bs == 0:
+            bt[s, L // bs] = free.pop()
+        slots.append(int(bt[s, L // bs]) * bs + L % bs)
+    q = random_query(num_seqs, 8, 64, dtype, seed=seed, device=device)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(device)
+    v = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(device)
+    return (q, k, v, pg.key_cache, pg.value_cache, torch.tensor(slots, device=device), bt,
+            pg.seq_lens + 1)
+
+
+def assert_same(a, b):
+    """Bitwise equal (NaN where NaN), on any devices: compared on the CPU."""
+    torch.testing.assert_close(a.cpu(), b.cpu(), equal_nan=True, atol=0, rtol=0)
+
+
+def nan_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device="cpu"):
+    """A key/value cache pair holding NaN in every slot."""
+    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
+                                         device=device)
+    return kc.fill_(float("nan")), vc.fill_(float("nan"))
+
+
+def check_cache_write(k, v, kc, vc, slots, *, ref_slots=None):
+    """reshape_and_cache on the caches' device vs the reference, bit for bit (never vs the CPU
+    kernel: on a GPU host a mismatch must point at the CUDA code). ``ref_slots``: the slots the
+    reference writes (the default: ``slots``)."""
+    ref_slots = slots if ref_slots is None else ref_slots
+    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), ref_slots.cpu())
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
+    synchronize(kc.device)
+    assert_same(kc, want_k)
+    assert_same(vc, want_v)
+
+
+def _cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+def check_attention(pg, q, dtype, *, out=None, **kw):
+    """Decode attention on the query's device vs the reference on the same cache contents (never
+    vs the CPU kernel: on a GPU host a mismatch must point at the CUDA code).
+    ``kw``: the op's options (``scale`` defaults to head_size ** -0.5). Returns the output."""
+    scale = kw.pop("scale", q.shape[-1] ** -0.5)
+    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale, out=out, **kw)
+    synchronize(q.device)
+    assert got.device == q.device and got.dtype == q.dtype and got.shape == q.shape
+    if out is None:
+        assert got.is_contiguous()
+    assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
+    kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
+    bt, sl = pg.block_tables.cpu(), pg.seq_lens.cpu()
+    want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
+                         kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0))
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+    return got
+
+
+def per_device(cpu, cuda):
+    """Parameter sets for a test whose grid differs per device: ``("cpu", *p)`` for each tuple
+    ``p`` of ``cpu`` and ``("cuda", *p)`` (marked as CUDA) for each of ``cuda``."""
+    return ([pytest.param("cpu", *p) for p in cpu]
+            + [pytest.param("cuda", *p, marks=CUDA) for p in cuda])
+
+
+def assert_same_bytes(a, b):
+    """Byte-for-byte equal (compared on the CPU)."""
+    a, b = a.cpu(), b.cpu()
+    assert a.dtype == b.dtype and a.shape == b.shape
+    diff = a.view(torch.uint8) != b.view(torch.uint8)
+    assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def nan_fp8_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device="cpu"):
+    """An fp8 key/value cache pair holding NaN (0x7F in both formats) in every slot."""
+    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
+                                         device=device)
+    kc.view(torch.uint8).fill_(0x7F)
+    vc.view(torch.uint8).fill_(0x7F)
+    return kc, vc
+
+
+def check_fp8_write(k, v, kc, vc, slots, ks, vs):
+    """An fp8 reshape_and_cache on the caches' device vs the reference: every byte equal, except
+    that a NaN the reference writes may be any NaN; every other written value is finite
+    (saturated). Never vs the CPU kernel: on a GPU host a mismatch must point at the CUDA code."""
+    before_k, before_v = kc.cpu().clone(), vc.cpu().clone()
+    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), before_k, before_v, slots.cpu(),
+                                           ks.cpu(), vs.cpu())
+    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+    synchronize(kc.device)
+    for got, want, before in ((kc, want_k, before_k), (vc, want_v, before_v)):
+        got = got.cpu()
+        written = got.view(torch.uint8) != before.view(torch.uint8)
+        written |= want.view(torch.uint8) != before.view(torch.uint8)
+        nan = want.float().isnan()
+        assert torch.equal(got.float().isnan(), nan)
+        diff = (got.view(torch.uint8) != want.view(torch.uint8)) & ~(nan & written)
+        assert not diff.any(), f"{int(diff.sum())} bytes differ from the reference"
+        assert got.float()[written & ~nan].isfinite().all()

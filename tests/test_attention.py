@@ -1,11 +1,22 @@
-"""paged::attention and paged::attention_out (CPU) against the reference implementation."""
+"""paged::attention and paged::attention_out against the reference implementation, on every CPU
+kernel build; tests with a device parameter also on CUDA (there also against the CPU kernel).
+CUDA-only tests (tiles, split-K, unsupported sizes, memory safety): test_cuda.py."""
+
+import itertools
 
 import pytest
 import torch
-from helpers import TOL, make_paged, random_query, write_dense
 
 import paged_ops
 from paged_ops import reference as ref
+from tests.helpers import (
+    TOL,
+    check_attention,
+    make_paged,
+    per_device,
+    random_query,
+    write_dense,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -26,15 +37,19 @@ def check(pg, q, dtype, **kw):
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_grid(dtype, head_size, block_size):
+@pytest.mark.parametrize("device,dtype,head_size,block_size", per_device(
+    cpu=itertools.product(DTYPES, [64, 80, 96, 128, 256], [1, 8, 16, 32]),
+    # Every head size and block size the CUDA kernels are built for.
+    cuda=itertools.product(DTYPES, [32, 64, 80, 96, 112, 120, 128, 192, 256], [8, 16, 32])))
+def test_grid(device, dtype, head_size, block_size):
     bs = block_size
-    lens = sorted({1, max(bs - 1, 1), bs, bs + 1, 37})
-    pg = make_paged(lens, 2, head_size, bs, dtype)
-    q = random_query(len(lens), 8, head_size, dtype)
-    check(pg, q, dtype)
+    # Partial, exact and one-past blocks; the CPU runs this on every kernel build, so it keeps
+    # one longer sequence, CUDA two.
+    lens = [0, 1, max(bs - 1, 1), bs, bs + 1] + ([37] if device == "cpu" else [2 * bs + 5, 70])
+    pg = make_paged(lens, 2, head_size, bs, dtype, device=device, seed=head_size + bs)
+    q = random_query(len(lens), 8, head_size, dtype, device=device, scale=2.0)
+    out = check_attention(pg, q, dtype)
+    assert (out[0] == 0).all()  # seq_len 0 -> zero row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,14 +128,16 @@ def test_zero_length_rows_are_zero(dtype):
     assert (out[0] == 0).all() and (out[2] == 0).all()
 
 
-def test_all_zero_length_and_empty_batch():
-    pg = make_paged([0, 0], 2, 64, 16, torch.float32)
-    q = random_query(2, 4, 64, torch.float32)
+@pytest.mark.parametrize("device,dtype,n", per_device(cpu=[(torch.float32, 2)],
+                                                     cuda=[(torch.float16, 3)]))
+def test_all_zero_length_and_empty_batch(device, dtype, n):
+    pg = make_paged([0] * n, 2, 64, 16, dtype, device=device)
+    q = random_query(n, 4, 64, dtype, device=device)
     out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens)
     assert (out == 0).all()
     empty = paged_ops.paged_attention(q[:0], pg.key_cache, pg.value_cache, pg.block_tables[:0],
                                       pg.seq_lens[:0])
-    assert empty.shape == (0, 4, 64)
+    assert empty.shape == (0, 4, 64) and empty.device == q.device
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

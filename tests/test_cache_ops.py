@@ -1,40 +1,42 @@
-"""reshape_and_cache, copy_blocks and swap_blocks (CPU) against the reference."""
+"""reshape_and_cache, copy_blocks and swap_blocks against the reference (tests taking the device
+fixture also run on CUDA, there also against the CPU kernel; CUDA-only ones: test_cuda.py)."""
 
 import pytest
 import torch
-from helpers import cache_x
 
 import paged_ops
 from paged_ops import reference as ref
+from tests.helpers import assert_same, cache_x, check_cache_write, nan_caches
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def nan_caches(num_blocks, num_kv_heads, head_size, block_size, dtype):
-    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype)
-    return kc.fill_(float("nan")), vc.fill_(float("nan"))
-
-
-def assert_same(a, b):
-    torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_reshape_and_cache_grid(dtype, head_size, block_size):
+def test_reshape_and_cache_grid(dtype, head_size, block_size, device):
     g = torch.Generator().manual_seed(head_size + block_size)
     num_blocks, H = 12, 2
     n = 19
-    kc, vc = nan_caches(num_blocks, H, head_size, block_size, dtype)
+    kc, vc = nan_caches(num_blocks, H, head_size, block_size, dtype, device)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
     slots[3] = -1  # padding token
-    k = torch.randn(n, H, head_size, generator=g).to(dtype)
-    v = torch.randn(n, H, head_size, generator=g).to(dtype)
-    want_k, want_v = ref.reshape_and_cache(k, v, kc, vc, slots)
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
-    assert_same(kc, want_k)
-    assert_same(vc, want_v)
+    k = torch.randn(n, H, head_size, generator=g).to(dtype).to(device)
+    v = torch.randn(n, H, head_size, generator=g).to(dtype).to(device)
+    check_cache_write(k, v, kc, vc, slots.to(device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_many_heads(dtype, device):
+    # num_kv_heads * head_size / x = 640 > 512 chunks per token: more than one CUDA block's
+    # threads, the grid-stride loop covers all.
+    x = cache_x(dtype)
+    H, D = 640 * x // 128, 128
+    assert H * D // x > 512
+    kc, vc = nan_caches(6, H, D, 16, dtype, device)
+    k = torch.randn(7, H, D, device=device).to(dtype)
+    v = torch.randn(7, H, D, device=device).to(dtype)
+    check_cache_write(k, v, kc, vc, torch.tensor([0, 17, 95, 40, -1, 64, 3], device=device))
 
 
 def test_reshape_layout_by_hand():
@@ -64,6 +66,27 @@ def test_reshape_strided_fused_qkv_and_graph_padding(dtype):
     paged_ops.reshape_and_cache(k, v, kc, vc, slots)
     assert_same(kc, want_k)
     assert_same(vc, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_strided_padded_misaligned_pool(dtype, device):
+    H, D, bs = 2, 64, 16
+    # Slices of a fused qkv tensor, graph padding rows beyond slot_mapping, a strided slot
+    # mapping, and caches that are layer 1 of a [layers, blocks, ...] pool.
+    qkv = torch.randn(10, 8 + 2 * H, D, device=device).to(dtype)
+    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]
+    x = cache_x(dtype)
+    kpool = torch.full((3, 8, H, D // x, bs, x), float("nan"), dtype=dtype, device=device)
+    vpool = torch.full((3, 8, H, D, bs), float("nan"), dtype=dtype, device=device)
+    kc, vc = kpool[1], vpool[1]
+    slots = torch.tensor([5, 99, 16, -1, 127, 0, 64], device=device)
+    strided = torch.stack([slots, torch.full_like(slots, -9)], 1).reshape(-1)[::2]
+    check_cache_write(k, v, kc, vc, strided)
+    assert torch.isnan(kpool[0]).all() and torch.isnan(kpool[2]).all()
+    # Key/value one element off 16-byte alignment: the scalar path.
+    base = torch.randn(6, H, D + 1, device=device).to(dtype)
+    k2, v2 = base[..., 1:], base.flip(0)[..., 1:]
+    check_cache_write(k2, v2, kc, vc, torch.tensor([1, 2, 3, 30, 31, -1], device=device))
 
 
 def test_reshape_into_layer_view_of_pool():

@@ -1,7 +1,11 @@
-"""Every paged op on CUDA, against paged_ops.reference on identical inputs (never against the
-CPU kernels: on a GPU host the CPU kernel may be a build checked nowhere else, and a mismatch
-must point at the CUDA code). Skipped cleanly without a GPU or without the CUDA kernels compiled
-in."""
+"""CUDA-only tests, against paged_ops.reference on identical inputs (never against the CPU
+kernels: on a GPU host the CPU kernel may be a build checked nowhere else): what exists because
+of the CUDA kernels (group-tile configurations, split-K partitions, the tensor-core and
+CUDA-core multi-token kernels, the head and block sizes the CUDA backend is built for, device
+data that cannot raise, pinned and device-to-device swaps, CUDA graphs, a second device). Tests
+that run on every device take the device fixture in their feature's file (test_attention.py,
+test_cache_ops.py, test_multi_token.py, test_fp8.py, test_compile.py). Skipped cleanly without
+a GPU or without the CUDA kernels compiled in."""
 
 from __future__ import annotations
 
@@ -9,24 +13,27 @@ import ctypes
 
 import pytest
 import torch
-from helpers import (
+
+import paged_ops
+from paged_ops import reference as ref
+from tests.helpers import (
+    CUDA,
     TOL,
+    assert_same,
+    assert_same_bytes,
     cache_x,
-    fp8_write_inputs,
+    check_attention,
+    check_fp8_write,
+    decode_step_inputs,
     make_paged,
     make_paged_fp8,
+    nan_caches,
+    nan_fp8_caches,
     one_thread,
     random_query,
 )
 
-import paged_ops
-from paged_ops import reference as ref
-
-HAVE_CUDA = torch.cuda.is_available() and paged_ops.built_with_cuda()
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a build with CUDA kernels"),
-]
+pytestmark = CUDA
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -51,39 +58,9 @@ def _cpu(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
 
-def check_attention(pg, q, dtype, *, out=None, **kw):
-    """CUDA result vs the reference (same cache contents)."""
-    scale = kw.pop("scale", q.shape[-1] ** -0.5)
-    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, scale, out=out, **kw)
-    torch.cuda.synchronize()
-    assert got.device == q.device and got.dtype == q.dtype and got.shape == q.shape
-    if out is None:
-        assert got.is_contiguous()
-    assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
-    kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
-    bt, sl = pg.block_tables.cpu(), pg.seq_lens.cpu()
-    want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
-                         kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0))
-    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
-    return got
-
-
 # ------------------------------------------------------------------------------------------
-# attention
+# attention (the grid and empty batches: test_attention.py)
 # ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", HEAD_SIZES)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_attention_grid(dtype, head_size, block_size):
-    bs = block_size
-    lens = [0, 1, bs - 1, bs, bs + 1, 2 * bs + 5, 70]
-    pg = make_paged(lens, 2, head_size, bs, dtype, device=DEV, seed=head_size + bs)
-    q = random_query(len(lens), 8, head_size, dtype, device=DEV, scale=2.0)
-    out = check_attention(pg, q, dtype)
-    assert (out[0] == 0).all()  # seq_len 0 -> zero row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -178,17 +155,6 @@ def test_attention_out_strided(dtype):
     assert (out[0] == 0).all()
 
 
-def test_attention_zero_length_all_and_empty_batch():
-    pg = make_paged([0, 0, 0], 2, 64, 16, torch.float16, device=DEV)
-    q = random_query(3, 4, 64, torch.float16, device=DEV)
-    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens)
-    assert (out == 0).all()
-    empty = paged_ops.paged_attention(q[:0], pg.key_cache, pg.value_cache, pg.block_tables[:0],
-                                      pg.seq_lens[:0])
-    assert empty.shape == (0, 4, 64) and empty.is_cuda
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_memory_safety_out_of_range_ids_and_lengths(dtype):
     # The CUDA path cannot raise on device data: bad ids are never dereferenced, lengths are
@@ -273,79 +239,12 @@ def test_second_device():
 
 
 # ------------------------------------------------------------------------------------------
-# reshape_and_cache
+# reshape_and_cache (the grid, many heads, strided/misaligned/pool inputs: test_cache_ops.py)
 # ------------------------------------------------------------------------------------------
 
 
-def assert_same(a, b):
-    torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
-
-
-def nan_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device=DEV):
-    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
-                                         device=device)
-    return kc.fill_(float("nan")), vc.fill_(float("nan"))
-
-
-def check_cache_write(k, v, kc, vc, slots, *, ref_slots=None):
-    """CUDA write vs the reference, bit for bit."""
-    ref_slots = slots if ref_slots is None else ref_slots
-    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), ref_slots.cpu())
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots)
-    torch.cuda.synchronize()
-    assert_same(kc.cpu(), want_k)
-    assert_same(vc.cpu(), want_v)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", [32, 80, 128, 256])
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_reshape_and_cache_grid(dtype, head_size, block_size):
-    g = torch.Generator().manual_seed(head_size + block_size)
-    num_blocks, H, n = 12, 2, 19
-    kc, vc = nan_caches(num_blocks, H, head_size, block_size, dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
-    slots[3] = -1
-    k = torch.randn(n, H, head_size, generator=g).to(dtype).to(DEV)
-    v = torch.randn(n, H, head_size, generator=g).to(dtype).to(DEV)
-    check_cache_write(k, v, kc, vc, slots.to(DEV))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_reshape_and_cache_many_heads_beyond_one_cta(dtype):
-    # num_kv_heads * head_size / x = 640 > 512 chunks per token: the grid-stride loop covers all.
-    x = cache_x(dtype)
-    H, D = 640 * x // 128, 128
-    assert H * D // x > 512
-    kc, vc = nan_caches(6, H, D, 16, dtype)
-    k = torch.randn(7, H, D, device=DEV).to(dtype)
-    v = torch.randn(7, H, D, device=DEV).to(dtype)
-    check_cache_write(k, v, kc, vc, torch.tensor([0, 17, 95, 40, -1, 64, 3], device=DEV))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_reshape_and_cache_strided_padded_misaligned_pool(dtype):
-    H, D, bs = 2, 64, 16
-    # Slices of a fused qkv tensor, graph padding rows beyond slot_mapping, a strided slot
-    # mapping, and caches that are layer 1 of a [layers, blocks, ...] pool.
-    qkv = torch.randn(10, 8 + 2 * H, D, device=DEV).to(dtype)
-    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]
-    x = cache_x(dtype)
-    kpool = torch.full((3, 8, H, D // x, bs, x), float("nan"), dtype=dtype, device=DEV)
-    vpool = torch.full((3, 8, H, D, bs), float("nan"), dtype=dtype, device=DEV)
-    kc, vc = kpool[1], vpool[1]
-    slots = torch.tensor([5, 99, 16, -1, 127, 0, 64], device=DEV)
-    strided = torch.stack([slots, torch.full_like(slots, -9)], 1).reshape(-1)[::2]
-    check_cache_write(k, v, kc, vc, strided)
-    assert torch.isnan(kpool[0]).all() and torch.isnan(kpool[2]).all()
-    # Key/value one element off 16-byte alignment: the scalar path.
-    base = torch.randn(6, H, D + 1, device=DEV).to(dtype)
-    k2, v2 = base[..., 1:], base.flip(0)[..., 1:]
-    check_cache_write(k2, v2, kc, vc, torch.tensor([1, 2, 3, 30, 31, -1], device=DEV))
-
-
 def test_reshape_and_cache_out_of_range_slot_is_skipped():
-    kc, vc = nan_caches(4, 2, 64, 16, torch.float16)
+    kc, vc = nan_caches(4, 2, 64, 16, torch.float16, DEV)
     before_k, before_v = kc.clone(), vc.clone()
     k = torch.randn(4, 2, 64, device=DEV).half()
     slots = torch.tensor([3, 64, 10**12, 20], device=DEV)  # 64 = num_blocks * block_size
@@ -358,7 +257,7 @@ def test_reshape_and_cache_out_of_range_slot_is_skipped():
 
 
 def test_reshape_and_cache_empty_and_bad_input_leaves_cache_unchanged():
-    kc, vc = nan_caches(4, 2, 64, 16, torch.float32)
+    kc, vc = nan_caches(4, 2, 64, 16, torch.float32, DEV)
     k = torch.randn(3, 2, 64, device=DEV)
     paged_ops.reshape_and_cache(k, k, kc, vc, torch.empty(0, dtype=torch.int64, device=DEV))
     with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
@@ -512,94 +411,8 @@ def test_swap_blocks_gpu_gpu_pageable_and_views():
 
 
 # ------------------------------------------------------------------------------------------
-# opcheck, torch.compile, CUDA graphs
+# CUDA graphs (opcheck and torch.compile on CUDA: test_compile.py)
 # ------------------------------------------------------------------------------------------
-
-
-def attention_sample(dtype=torch.float32):
-    pg = make_paged([1, 17, 40], 2, 64, 16, dtype, device=DEV)
-    q = random_query(3, 8, 64, dtype, device=DEV)
-    return pg, (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_attention(dtype):
-    _, args = attention_sample(dtype)
-    torch.library.opcheck(torch.ops.paged.attention.default, args)
-    torch.library.opcheck(torch.ops.paged.attention.default, args,
-                          dict(alibi_slopes=torch.rand(8, device=DEV), sliding_window=20,
-                               logits_soft_cap=4.0, max_seq_len=40))
-
-
-def test_opcheck_attention_out():
-    _, args = attention_sample()
-    torch.library.opcheck(torch.ops.paged.attention_out.default,
-                          (torch.empty_like(args[0]),) + args)
-
-
-def test_opcheck_reshape_and_cache():
-    kc, vc = paged_ops.allocate_kv_cache(4, 2, 64, 16, torch.float32, device=DEV)
-    kc.zero_()
-    vc.zero_()
-    args = (torch.randn(5, 2, 64, device=DEV), torch.randn(5, 2, 64, device=DEV), kc, vc,
-            torch.tensor([3, 17, -1, 40, 63], device=DEV))
-    torch.library.opcheck(torch.ops.paged.reshape_and_cache.default, args)
-
-
-@pytest.mark.parametrize("mapping_device", ["cpu", DEV])
-def test_opcheck_copy_blocks(mapping_device):
-    kcs, vcs = random_layers(2, torch.float32, num_blocks=6, D=32, bs=8)
-    torch.library.opcheck(torch.ops.paged.copy_blocks.default,
-                          (kcs, vcs, torch.tensor([[0, 3], [1, 5]], device=mapping_device)))
-
-
-@pytest.mark.parametrize("direction", ["gpu_gpu", "gpu_cpu", "cpu_gpu"])
-def test_opcheck_swap_blocks(direction):
-    src = torch.randn(6, 2, 8, 16, device="cpu" if direction == "cpu_gpu" else DEV)
-    dst = torch.zeros(3, 2, 8, 16, device="cpu" if direction == "gpu_cpu" else DEV)
-    torch.library.opcheck(torch.ops.paged.swap_blocks.default,
-                          (src, dst, torch.tensor([[5, 0], [2, 2]])))
-
-
-def decode_step(q, k, v, key_cache, value_cache, slot_mapping, block_tables, seq_lens):
-    torch.ops.paged.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
-    out = torch.ops.paged.attention(q * 1.0, key_cache, value_cache, block_tables, seq_lens,
-                                    q.shape[-1] ** -0.5)
-    return out.sum(dim=1) + 1.0
-
-
-def step_inputs(num_seqs, seed, dtype=torch.float32, lens=None):
-    """A decode step appending one token at position L of each sequence (L + 1 visible)."""
-    bs = 16
-    lens = lens or [3 + 9 * i for i in range(num_seqs)]
-    pg = make_paged(lens, 2, 64, bs, dtype, device=DEV, seed=seed, extra_blocks=num_seqs)
-    bt = pg.block_tables.clone()
-    used = set(bt[bt >= 0].tolist()) & set(range(pg.key_cache.shape[0]))
-    free = [b for b in range(pg.key_cache.shape[0]) if b not in used]
-    slots = []
-    for s, L in enumerate(lens):
-        if L % bs == 0:
-            bt[s, L // bs] = free.pop()
-        slots.append(int(bt[s, L // bs]) * bs + L % bs)
-    q = random_query(num_seqs, 8, 64, dtype, seed=seed, device=DEV)
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(DEV)
-    v = torch.randn(num_seqs, 2, 64, generator=g).to(dtype).to(DEV)
-    return (q, k, v, pg.key_cache, pg.value_cache, torch.tensor(slots, device=DEV), bt,
-            pg.seq_lens + 1)
-
-
-def test_compile_fullgraph_cache_write_and_attention():
-    torch._dynamo.reset()
-    compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
-    for n, seed in ((3, 1), (5, 2)):
-        eager_in = step_inputs(n, seed)
-        comp_in = step_inputs(n, seed)
-        want = decode_step(*eager_in)
-        got = compiled(*comp_in)
-        torch.testing.assert_close(got, want)
-        for a, b in zip(comp_in[3:5], eager_in[3:5]):
-            assert_same(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -607,7 +420,7 @@ def test_cuda_graph_capture_replay_with_inputs_changed_in_place(dtype):
     # Long enough that the captured attention uses split-K; seq_lens and slot_mapping change
     # between replays, the graph's work split stays valid.
     lens = [3000, 700]
-    q, k, v, kc, vc, slots, bt, sl = step_inputs(2, 21, dtype, lens=lens)
+    q, k, v, kc, vc, slots, bt, sl = decode_step_inputs(2, 21, dtype, lens=lens, device=DEV)
     scale = 64 ** -0.5
 
     def body():
@@ -797,18 +610,6 @@ def test_multi_token_strided_query_out_and_pool_view(dtype):
     check_general(pg, qkv[:, :H], TOL[dtype], qsl=wide[::2])
 
 
-def test_multi_token_empty_inputs():
-    pg = make_paged([0, 5], 2, 64, 16, torch.float16, device=DEV)
-    q = random_query(0, 4, 64, torch.float16, device=DEV)
-    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, query_start_loc=qsl_of([0, 0]))
-    assert out.shape == (0, 4, 64) and out.is_cuda
-    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables[:0],
-                                    pg.seq_lens[:0], query_start_loc=qsl_of([]))
-    assert out.shape == (0, 4, 64)
-    torch.cuda.synchronize()
-
-
 def test_multi_token_rejects_query_rows_without_a_sequence():
     # Checked from the shapes alone (values of query_start_loc on the device are not read).
     pg = make_paged([5], 2, 64, 16, torch.float16, device=DEV)
@@ -857,74 +658,6 @@ def fp8_paged(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=0, **kw
     for name in ("key_cache", "value_cache", "block_tables", "seq_lens", "k_scale", "v_scale"):
         setattr(pg, name, getattr(pg, name).to(DEV))
     return pg
-
-
-def assert_same_bytes(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    diff = a.cpu().view(torch.uint8) != b.cpu().view(torch.uint8)
-    assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}"
-
-
-def nan_fp8_caches(num_blocks, num_kv_heads, head_size, block_size, dtype, device=DEV):
-    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype,
-                                         device=device)
-    kc.view(torch.uint8).fill_(0x7F)  # NaN in both formats
-    vc.view(torch.uint8).fill_(0x7F)
-    return kc, vc
-
-
-def check_fp8_write(k, v, kc, vc, slots, ks, vs):
-    """CUDA fp8 write vs the reference, byte for byte, but for NaN payloads: a NaN input is
-    stored as 0x7f with the input's sign, in both formats."""
-    args = (kc.cpu(), vc.cpu(), slots.cpu(), ks.cpu(), vs.cpu())
-    want_k, want_v = ref.reshape_and_cache(k.cpu(), v.cpu(), *args)
-
-    # The same write with each NaN input replaced by +-1 of its sign: the sign of each stored NaN.
-    def signed_one(t):
-        t = t.cpu()
-        return torch.where(t.isnan(), torch.copysign(torch.ones_like(t), t), t)
-    sign_k, sign_v = ref.reshape_and_cache(signed_one(k), signed_one(v), *args)
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
-    torch.cuda.synchronize()
-    for got, want, sign in ((kc, want_k, sign_k), (vc, want_v, sign_v)):
-        want_bytes = want.view(torch.uint8).clone()
-        nan = want.float().isnan()
-        want_bytes[nan] = 0x7F | (sign.view(torch.uint8)[nan] & 0x80)
-        assert_same_bytes(got, want_bytes.view(want.dtype))
-
-
-@pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("in_dtype", DTYPES)
-@pytest.mark.parametrize("head_size,block_size", [(64, 1), (128, 16), (80, 32), (256, 8),
-                                                  (32, 16)])
-def test_fp8_reshape_and_cache_bitwise(cache_dtype, in_dtype, head_size, block_size):
-    g = torch.Generator().manual_seed(head_size + block_size)
-    num_blocks, H, n = 10, 2, 23
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
-    slots[5] = -1
-    k = torch.randn(n, H, head_size, generator=g) * 3
-    v = torch.randn(n, H, head_size, generator=g) * 2
-    # Saturation (beyond +-max after the division), +-Inf, NaN, tiny values, exact zeros.
-    k[0, 0, :8] = torch.tensor([1e6, -1e6, float("inf"), -float("inf"), float("nan"), 1e-30,
-                                -0.0, 0.0])
-    v[1, 1, :4] = torch.tensor([-1e9, 7e4, float("nan"), -float("nan")])
-    kc, vc = nan_fp8_caches(num_blocks, H, head_size, block_size, cache_dtype)
-    ks = torch.tensor([0.05], device=DEV)
-    vs = torch.tensor([0.03], device=DEV)
-    check_fp8_write(k.to(in_dtype).to(DEV), v.to(in_dtype).to(DEV), kc, vc, slots.to(DEV), ks,
-                    vs)
-
-
-@pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("in_dtype", DTYPES)
-def test_fp8_reshape_and_cache_every_16_bit_input_and_specials(cache_dtype, in_dtype):
-    D = 128
-    x = fp8_write_inputs(in_dtype, D).to(DEV)
-    n = x.shape[0]
-    for scale in (1.0, 0.0371, 2.5e-3, 700.0):
-        s = torch.tensor([scale], device=DEV)
-        kc, vc = nan_fp8_caches(n, 1, D, 1, cache_dtype)
-        check_fp8_write(x, x.flip(0), kc, vc, torch.randperm(n).to(DEV), s, s)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
@@ -1001,7 +734,7 @@ def test_fp8_write_then_attend_end_to_end(cache_dtype):
     H, Hkv, D, bs = 8, 2, 128, 16
     lens = [20, 77]
     g = torch.Generator().manual_seed(0)
-    kc, vc = nan_fp8_caches(16, Hkv, D, bs, cache_dtype)
+    kc, vc = nan_fp8_caches(16, Hkv, D, bs, cache_dtype, DEV)
     bt = torch.tensor([[3, 9, 0, 0, 0, 0], [1, 4, 7, 12, 2, 15]], dtype=torch.int32, device=DEV)
     slots = torch.cat([bt[s, torch.arange(L) // bs].long().cpu() * bs + torch.arange(L) % bs
                        for s, L in enumerate(lens)]).to(DEV)
@@ -1045,18 +778,6 @@ def test_fp8_rejections_on_cuda():
 # ---- opcheck and CUDA graphs -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_attention_query_start_loc(dtype):
-    pg, q, qsl = multi_batch([1, 6, 17], [1, 20, 40], 8, 2, 64, 16, dtype, seed=14)
-    args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
-    torch.library.opcheck(torch.ops.paged.attention.default, args, dict(query_start_loc=qsl))
-    torch.library.opcheck(torch.ops.paged.attention.default, args,
-                          dict(alibi_slopes=torch.rand(8, device=DEV), sliding_window=9,
-                               logits_soft_cap=4.0, max_seq_len=40, query_start_loc=qsl))
-    torch.library.opcheck(torch.ops.paged.attention_out.default, (torch.empty_like(q),) + args,
-                          dict(query_start_loc=qsl))
-
-
 @pytest.mark.parametrize("cache_dtype", FP8)
 def test_opcheck_fp8(cache_dtype):
     pg = fp8_paged([1, 20, 40], 2, 64, 16, cache_dtype, seed=15)
@@ -1067,7 +788,7 @@ def test_opcheck_fp8(cache_dtype):
     qm = random_query(9, 8, 64, torch.bfloat16, device=DEV)
     torch.library.opcheck(torch.ops.paged.attention.default, (qm,) + args[1:],
                           dict(query_start_loc=qsl_of([1, 4, 4]), **scales))
-    kc, vc = nan_fp8_caches(4, 2, 64, 16, cache_dtype)
+    kc, vc = nan_fp8_caches(4, 2, 64, 16, cache_dtype, DEV)
     kc.view(torch.uint8).zero_()
     vc.view(torch.uint8).zero_()
     torch.library.opcheck(torch.ops.paged.reshape_and_cache.default,

@@ -4,9 +4,9 @@ import re
 
 import pytest
 import torch
-from helpers import make_paged, random_query
 
 import paged_ops
+from tests.helpers import make_paged, random_query
 
 F32, BF16 = torch.float32, torch.bfloat16
 

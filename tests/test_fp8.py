@@ -1,4 +1,5 @@
-"""fp8 KV caches (torch.float8_e4m3fn / torch.float8_e5m2) on the CPU.
+"""fp8 KV caches (torch.float8_e4m3fn / torch.float8_e5m2); tests taking the device fixture
+also on CUDA (there also against the CPU kernel), CUDA-only ones in test_cuda.py.
 
 reshape_and_cache stores round(x / scale) saturated to the format's largest finite value
 (round-to-nearest-even); attention reads stored * scale. Checked against the reference bit for
@@ -8,20 +9,23 @@ saturation, the scale checks and the block copies.
 
 import pytest
 import torch
-from helpers import (
+
+import paged_ops
+from paged_ops import reference as ref
+from tests.helpers import (
     FP8_DTYPES,
     TOL,
+    assert_same_bytes,
     cache_x,
+    check_fp8_write,
     fp8_quantize,
     fp8_write_inputs,
     make_paged_fp8,
+    nan_fp8_caches,
     one_thread,
     query_start_loc,
     random_query,
 )
-
-import paged_ops
-from paged_ops import reference as ref
 
 IN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Half the spacing of the format's significands, relative: 2^-(mantissa bits + 1).
@@ -30,28 +34,8 @@ HALF_ULP = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3}
 SUBNORMAL = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}
 
 
-def nan_fp8_caches(num_blocks, num_kv_heads, head_size, block_size, dtype):
-    kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size, dtype)
-    kc.view(torch.uint8).fill_(0x7F)  # NaN in both formats
-    vc.view(torch.uint8).fill_(0x7F)
-    return kc, vc
-
-
-def scales(k=0.05, v=0.03):
-    return torch.tensor([k]), torch.tensor([v])
-
-
-def assert_same_bytes(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    diff = a.view(torch.uint8) != b.view(torch.uint8)
-    assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}"
-
-
-def write_both(k, v, kc, vc, slots, ks, vs):
-    """The op and the reference on the same inputs; returns (op caches, reference caches)."""
-    want_k, want_v = ref.reshape_and_cache(k, v, kc, vc, slots, ks, vs)
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
-    return (kc, vc), (want_k, want_v)
+def scales(k=0.05, v=0.03, device="cpu"):
+    return torch.tensor([k], device=device), torch.tensor([v], device=device)
 
 
 # ---- reshape_and_cache ----------------------------------------------------------------------
@@ -59,9 +43,10 @@ def write_both(k, v, kc, vc, slots, ks, vs):
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("in_dtype", IN_DTYPES)
-@pytest.mark.parametrize("head_size,block_size", [(64, 1), (128, 16), (80, 32), (256, 8)])
+@pytest.mark.parametrize("head_size,block_size", [(64, 1), (128, 16), (80, 32), (256, 8),
+                                                  (32, 16)])
 def test_reshape_and_cache_matches_reference_bitwise(cache_dtype, in_dtype, head_size,
-                                                     block_size):
+                                                     block_size, device):
     g = torch.Generator().manual_seed(head_size * 7 + block_size)
     num_blocks, H = 10, 2
     # A prefill run that fills blocks in order (several consecutive slots), then scattered
@@ -69,38 +54,34 @@ def test_reshape_and_cache_matches_reference_bitwise(cache_dtype, in_dtype, head
     b0, b1 = 7, 2
     run = [b0 * block_size + i for i in range(block_size)] + [b1 * block_size]
     rest = torch.randperm(num_blocks * block_size, generator=g).tolist()
-    rest = [s for s in rest if s not in run][:6]
+    rest = [s for s in rest if s not in run][:20]
     slots = torch.tensor(run + [-1] + rest)
     n = slots.numel()
-    k = (torch.randn(n, H, head_size, generator=g) * 3).to(in_dtype)
-    v = (torch.randn(n, H, head_size, generator=g) * 2).to(in_dtype)
-    kc, vc = nan_fp8_caches(num_blocks, H, head_size, block_size, cache_dtype)
-    ks, vs = scales()
-    (kc, vc), (want_k, want_v) = write_both(k, v, kc, vc, slots, ks, vs)
-    assert_same_bytes(kc, want_k)
-    assert_same_bytes(vc, want_v)
+    k = torch.randn(n, H, head_size, generator=g) * 3
+    v = torch.randn(n, H, head_size, generator=g) * 2
+    # Saturation (beyond +-max after the division), +-Inf, NaN, tiny values, exact zeros.
+    k[0, 0, :8] = torch.tensor([1e6, -1e6, float("inf"), -float("inf"), float("nan"), 1e-30,
+                                -0.0, 0.0])
+    v[1, 1, :4] = torch.tensor([-1e9, 7e4, float("nan"), -float("nan")])
+    kc, vc = nan_fp8_caches(num_blocks, H, head_size, block_size, cache_dtype, device)
+    ks, vs = scales(device=device)
+    check_fp8_write(k.to(in_dtype).to(device), v.to(in_dtype).to(device), kc, vc,
+                    slots.to(device), ks, vs)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("in_dtype", IN_DTYPES)
-def test_every_16_bit_input_and_specials_bitwise(cache_dtype, in_dtype):
+def test_every_16_bit_input_and_specials_bitwise(cache_dtype, in_dtype, device):
     # Every bf16 / fp16 bit pattern (and, for fp32, random magnitudes over the whole range,
     # random bit patterns and the specials) through the op and the reference: subnormals of
     # the format, exact ties, saturation and NaN.
     D = 128
-    x = fp8_write_inputs(in_dtype, D)
+    x = fp8_write_inputs(in_dtype, D).to(device)
     n = x.shape[0]
     for scale in (1.0, 0.0371, 2.5e-3, 700.0):
-        s = torch.tensor([scale])
-        kc, vc = nan_fp8_caches(n, 1, D, 1, cache_dtype)
-        slots = torch.randperm(n)
-        (kc, vc), (want_k, want_v) = write_both(x, x.flip(0), kc, vc, slots, s, s)
-        for got, want in ((kc, want_k), (vc, want_v)):
-            nan = want.float().isnan()
-            assert torch.equal(got.float().isnan(), nan)
-            diff = (got.view(torch.uint8) != want.view(torch.uint8)) & ~nan
-            assert not diff.any(), (scale, int(diff.sum()))
-            assert got.float()[~nan].isfinite().all()
+        s = torch.tensor([scale], device=device)
+        kc, vc = nan_fp8_caches(n, 1, D, 1, cache_dtype, device)
+        check_fp8_write(x, x.flip(0), kc, vc, torch.randperm(n).to(device), s, s)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)

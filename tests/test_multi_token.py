@@ -8,10 +8,17 @@ prefill end to end), under opcheck and torch.compile, and for bad query_start_lo
 
 import pytest
 import torch
-from helpers import TOL, make_paged, one_thread, query_start_loc, random_query
 
 import paged_ops
 from paged_ops import reference as ref
+from tests.helpers import (
+    TOL,
+    make_paged,
+    one_thread,
+    query_start_loc,
+    random_query,
+    synchronize,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -46,10 +53,12 @@ def check(pg, q, qsl, dtype=None, **kw):
 
 
 def batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
-          dtype=torch.float32, seed=0, qscale=2.0):
-    pg = make_paged(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=seed)
-    q = random_query(sum(q_lens), num_heads, head_size, dtype, seed=seed + 1, scale=qscale)
-    return pg, q, query_start_loc(q_lens)
+          dtype=torch.float32, seed=0, qscale=2.0, device="cpu"):
+    pg = make_paged(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=seed,
+                    device=device)
+    q = random_query(sum(q_lens), num_heads, head_size, dtype, seed=seed + 1, scale=qscale,
+                     device=device)
+    return pg, q, query_start_loc(q_lens, device=device)
 
 
 # A batch mixing a decode token, a short and a long chunk, and a whole prompt (q_len == L).
@@ -84,11 +93,17 @@ def test_zero_query_tokens_for_a_sequence():
     assert out.shape == (8, 8, 64)
 
 
-def test_no_query_rows_at_all():
-    pg, q, qsl = batch([0, 0], [4, 9], seed=6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_no_query_rows_at_all(dtype, device):
+    pg, q, qsl = batch([0, 0], [4, 9], dtype=dtype, seed=6, device=device)
     assert q.shape[0] == 0
     out = run(pg, q, qsl)
-    assert out.shape == (0, 8, 64)
+    assert out.shape == (0, 8, 64) and out.device == q.device
+    # No sequences at all.
+    pg.block_tables, pg.seq_lens = pg.block_tables[:0], pg.seq_lens[:0]
+    out = run(pg, q, query_start_loc([], device=device))
+    assert out.shape == (0, 8, 64) and out.device == q.device
+    synchronize(device)  # nothing was launched that fails late
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -237,13 +252,13 @@ def test_two_sequences_chunked_together_equal_separate_sdpa():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_attention_with_query_start_loc(dtype):
-    pg, q, qsl = batch([1, 6, 17], [1, 20, 40], dtype=dtype, seed=14)
+def test_opcheck_attention_with_query_start_loc(dtype, device):
+    pg, q, qsl = batch([1, 6, 17], [1, 20, 40], dtype=dtype, seed=14, device=device)
     args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
     torch.library.opcheck(torch.ops.paged.attention.default, args,
                           dict(query_start_loc=qsl))
     torch.library.opcheck(torch.ops.paged.attention.default, args,
-                          dict(alibi_slopes=torch.rand(8), sliding_window=9,
+                          dict(alibi_slopes=torch.rand(8, device=device), sliding_window=9,
                                logits_soft_cap=4.0, max_seq_len=40, query_start_loc=qsl))
     out = torch.empty_like(q)
     torch.library.opcheck(torch.ops.paged.attention_out.default, (out,) + args,

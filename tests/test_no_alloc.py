@@ -46,8 +46,8 @@ SCRIPT = textwrap.dedent("""
     import ctypes, sys
     import torch
     import paged_ops
-    sys.path.insert(0, {tests!r})
-    from helpers import make_paged, query_start_loc, random_query
+    sys.path.insert(0, {root!r})
+    from tests.helpers import make_paged, query_start_loc, random_query
 
     counter = ctypes.c_long.in_dll(ctypes.CDLL(None), "paged_big_allocs")
     paged_ops.set_cpu_kernel_variant({variant!r})
@@ -110,8 +110,8 @@ def test_cpu_kernels_allocate_nothing_per_call(variant, tmp_path):
     lib = tmp_path / "count_allocs.so"
     subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", str(src), "-o", str(lib),
                     "-ldl"], check=True)
-    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, LD_PRELOAD=str(lib))
-    res = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests, variant=variant)],
+    res = subprocess.run([sys.executable, "-c", SCRIPT.format(root=root, variant=variant)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout + res.stderr

@@ -54,8 +54,8 @@ class StepContext:
 
 def _gathered_attention(query, key_cache, value_cache, seqs, scale, window, k_scale, v_scale):
     """Multi-token paged attention in plain torch (fallback where the op rejects a multi-token
-    call on the model's device): per sequence, gather its positions ``0..L-1`` from the paged cache (dequantised
-    for fp8) and run SDPA with the causal mask of its last ``q_len`` positions.
+    call on the model's device): per sequence, gather its positions ``0..L-1`` from the paged
+    cache (dequantised for fp8) and run SDPA with the causal mask of its last ``q_len`` positions.
 
     ``query``: ``[T, H, D]``; ``seqs``: host-side ``(block ids, L, q_len)`` per sequence, in
     query order. Returns ``[T, H, D]``.
