@@ -92,6 +92,17 @@ inline VecF load_f32(const T* p, int64_t count = W) {
         return VecF(_mm256_cvtph_ps(h));
       }
     }
+#elif defined(CPU_CAPABILITY_AVX512)
+    if (count == W) {  // as on AVX2, 16 lanes
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+      if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+        return VecF(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8)));
+      } else {
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                           _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+        return VecF(_mm512_cvtph_ps(h));
+      }
+    }
 #endif
     // The table only here: its first-use guard (a call) inside the vector path above made the
     // compiler spill every vector register around it.
@@ -130,6 +141,20 @@ inline void load2_f32(const T* p, VecF& lo, VecF& hi) {
     }
     lo = VecF(_mm256_cvtph_ps(_mm256_castsi256_si128(h)));
     hi = VecF(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX512)
+  if constexpr (is_fp8_v<T>) {  // as on AVX2: one 32-byte load for both halves
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    __m512i h;
+    if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+      h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(bytes), 8);
+    } else {
+      h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
+                           _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    }
+    lo = VecF(_mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    hi = VecF(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
     return;
   }
 #endif
@@ -270,8 +295,14 @@ inline void grow(std::vector<T>& v, int64_t n) {
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
-// Blocks per softmax step (see the block loop of attention_impl).
+// Blocks per softmax step (see the block loop of attention_impl): at most kGroup, and about
+// kGroupTokens tokens, so that a group's K and V and the next group's, prefetched meanwhile,
+// stay well inside L2 whatever the block size.
 constexpr int64_t kGroup = 4;
+#ifndef PAGED_OPS_GROUP_TOKENS
+#define PAGED_OPS_GROUP_TOKENS 128
+#endif
+constexpr int64_t kGroupTokens = PAGED_OPS_GROUP_TOKENS;
 
 // Prefetch of the blocks read next (the next kv head of the group, or the next group), spread
 // over the loops that read the current ones: the table scatters blocks, so the hardware
@@ -318,6 +349,10 @@ inline VecF in_register(VecF v) {
 #if defined(CPU_CAPABILITY_AVX2)
   __m256 r = v;
   asm("" : "+x"(r));
+  return VecF(r);
+#elif defined(CPU_CAPABILITY_AVX512)
+  __m512 r = v;
+  asm("" : "+v"(r));
   return VecF(r);
 #else
   return v;
@@ -628,12 +663,19 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 //   no AVX-512 CPU here to measure either on, so the 16-lane builds keep what they had.
 // next[k]: the blocks to prefetch. init: an item's first group (o and acc are written, not
 // read). NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb.
+// NV = 4: any multiple of 4 vectors per V row (nv_in of them, block sizes 4 W and up), in
+// steps of 4.
 constexpr bool kLaneAcc = W == 16;
+#ifndef PAGED_OPS_PV_DT_WIDE
+#define PAGED_OPS_PV_DT_WIDE 2
+#endif
 template <int NV, int RT, int NB, typename VT, typename NT>
-inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int64_t p_stride,
-                     float* o, const float* alpha, float* acc, int64_t acc_stride, int64_t D,
-                     const NT* const* next_in, int64_t vrow_bytes, bool init, bool last) {
-  constexpr int64_t BPv = NV * W;
+inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, const float* p,
+                     int64_t p_stride, float* o, const float* alpha, float* acc,
+                     int64_t acc_stride, int64_t D, const NT* const* next_in, int64_t vrow_bytes,
+                     bool init, bool last) {
+  const int64_t nv = NV == 4 ? nv_in : NV;
+  const int64_t BPv = nv * W;
   constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
   const int64_t nb = NB > 0 ? NB : nb_in;
   const VT* src[NBA];
@@ -646,7 +688,7 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
   // accumulators: each takes NV * nb dependent FMAs per step, so 8 (RT = 4, DT = 2) just
   // cover the FMA latency x throughput and stall on any delay; 12 measured 5-10% faster for
   // 16-bit caches (fp32: same). The V vectors are loaded per half i (3 + 12 + 1 registers).
-  constexpr int DT = NV == 2 ? 3 : NV == 1 ? 2 : 1;
+  constexpr int DT = NV == 2 ? 3 : NV == 1 ? 2 : PAGED_OPS_PV_DT_WIDE;
   auto step = [&](int64_t d, auto dt_c) {
     constexpr int DTc = decltype(dt_c)::value;
     VecF a[RT][DTc];
@@ -655,22 +697,29 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, const float* p, int
         a[r][u] = !kLaneAcc || init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d + u) * W);
 #pragma GCC unroll 4
     for (int64_t k = 0; k < nb; ++k) {
-      // The same rows of the next block (a row is at most a line).
+      // The same rows of the next block: each row (short rows, at most a line), or each
+      // line of the rows.
       const char* pf = reinterpret_cast<const char*>(next[k]) + d * vrow_bytes;
-      for (int u = 0; u < DTc; ++u) prefetch_l2(pf + u * vrow_bytes);
-      for (int i = 0; i < NV; ++i) {
-        VecF v[DTc];
-        for (int u = 0; u < DTc; ++u) {
-          const VT* row = src[k] + (d + u) * BPv;
-          if constexpr (NV == 2 && kSplitPairs<VT>) {
-            v[u] = load_bf16_half(row, i);  // p split to match
-          } else {
-            v[u] = load_f32(row + i * W);
+      if (vrow_bytes <= 64) {
+        for (int u = 0; u < DTc; ++u) prefetch_l2(pf + u * vrow_bytes);
+      } else {
+        for (int64_t b = 0; b < DTc * vrow_bytes; b += 64) prefetch_l2(pf + b);
+      }
+      for (int64_t i0 = 0; i0 < nv; i0 += NV) {
+        for (int i = static_cast<int>(i0); i < i0 + NV; ++i) {
+          VecF v[DTc];
+          for (int u = 0; u < DTc; ++u) {
+            const VT* row = src[k] + (d + u) * BPv;
+            if constexpr (NV == 2 && kSplitPairs<VT>) {
+              v[u] = load_bf16_half(row, i);  // p split to match
+            } else {
+              v[u] = load_f32(row + i * W);
+            }
           }
-        }
-        for (int r = 0; r < RT; ++r) {
-          const VecF pv = in_register(VecF::loadu(p + r * p_stride + k * BPv + i * W));
-          for (int u = 0; u < DTc; ++u) a[r][u] = at::vec::fmadd(v[u], pv, a[r][u]);
+          for (int r = 0; r < RT; ++r) {
+            const VecF pv = in_register(VecF::loadu(p + r * p_stride + k * BPv + i * W));
+            for (int u = 0; u < DTc; ++u) a[r][u] = at::vec::fmadd(v[u], pv, a[r][u]);
+          }
         }
       }
     }
@@ -766,23 +815,15 @@ inline void reduce_acc(const float* acc, float* out, int64_t D) {
 // Copy a [D][bs] V block in its own type with the columns outside [t0, t1) zeroed (all-zero
 // bits are +0 in every cache type), so that p.v reads it like a block of the cache: only the
 // partly visible blocks of a group (the last one, the first under a sliding window) are copied.
-// Row by row through a byte mask (rows of the fast p.v path are at most 4 W elements).
 template <typename T>
 inline const T* v_block_masked(const T* vblk, T* dst, int64_t D, int64_t bs, int64_t t0,
                                int64_t t1) {
-  constexpr int64_t kMaxRowBytes = 4 * W * sizeof(float);
-  const int64_t row_bytes = bs * static_cast<int64_t>(sizeof(T));
-  TORCH_INTERNAL_ASSERT(row_bytes <= kMaxRowBytes);
-  uint8_t mask[kMaxRowBytes];
-  for (int64_t b = 0; b < row_bytes; ++b) {
-    const int64_t t = b / static_cast<int64_t>(sizeof(T));
-    mask[b] = t >= t0 && t < t1 ? 0xFF : 0;
+  for (int64_t d = 0; d < D; ++d, vblk += bs, dst += bs) {
+    std::memset(static_cast<void*>(dst), 0, t0 * sizeof(T));
+    std::memcpy(static_cast<void*>(dst + t0), vblk + t0, (t1 - t0) * sizeof(T));
+    std::memset(static_cast<void*>(dst + t1), 0, (bs - t1) * sizeof(T));
   }
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(vblk);
-  uint8_t* out = reinterpret_cast<uint8_t*>(dst);
-  for (int64_t d = 0; d < D; ++d, src += row_bytes, out += row_bytes)
-    for (int64_t b = 0; b < row_bytes; ++b) out[b] = src[b] & mask[b];
-  return dst;
+  return dst - D * bs;
 }
 
 // out[0, n) = src * s in the output type (vectorised conversion: same rounding as the scalar
@@ -958,6 +999,7 @@ struct Layout {
   int64_t KP;  // raw row, padded to whole vectors
   int64_t BP;  // probability row of one block, padded to whole vectors
   int64_t PG;  // probabilities of a group of blocks
+  int64_t group;  // blocks per group (kGroupTokens, at most kGroup)
   // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
   // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
   int64_t AS;
@@ -986,6 +1028,7 @@ struct Layout {
     KP = round_up(chunk_elems, W);
     BP = round_up(bs, W);
     PG = kGroup * BP;
+    group = std::clamp<int64_t>(kGroupTokens / bs, 1, kGroup);
     AS = D * W + 16;
     dot_bf16 = kDotBF16 && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 &&
                chunk_elems % (2 * W) == 0;
@@ -993,7 +1036,7 @@ struct Layout {
     XW = dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
     x_sum = dot_bf16 || XW == 2 * W ? x / 2 : x;
     NV = bs / W;
-    fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV == 4);
+    fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV % 4 == 0);
     lane_acc = !fast_pv || kLaneAcc;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
     qk_iters = dot_bf16 ? qk_dot_iterations(chunk_elems, num_chunks)
@@ -1155,11 +1198,11 @@ struct ItemWorker {
       nb_next = nb;
       blocks(it.s, kvh + 1, b0, nb, g.k_next, g.v_next);
     } else if (b0 + nb <= it.b_last) {
-      nb_next = std::min<int64_t>(kGroup, it.b_last - b0 - nb + 1);
+      nb_next = std::min<int64_t>(Lt.group, it.b_last - b0 - nb + 1);
       blocks(it.s, it.kvh, b0 + nb, nb_next, g.k_next, g.v_next);
     } else if (next_item < end) {
       const ItemInfo nx = item_info(P, plan, next_item);
-      nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, kGroup);
+      nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, Lt.group);
       blocks(nx.s, nx.kvh, nx.b_first, nb_next, g.k_next, g.v_next);
     }
     for (int64_t k = nb_next; k < kGroup; ++k) {  // nothing left: this group again, harmless
@@ -1237,14 +1280,16 @@ struct ItemWorker {
   // hidden). Nothing is read from memory here, so the first rows of the next V blocks are
   // prefetched meanwhile, 8 per row (measured 2-7% faster than leaving memory idle).
   void softmax(int64_t hl, int64_t nb, const GroupBlocks<CT>& g) {
+    // Rows of up to a line each, else lines.
     const int64_t vrow_bytes = Lt.bs * static_cast<int64_t>(sizeof(CT));
-    const int64_t vpf_end = std::min<int64_t>(R * 8, kGroup * Lt.D);
+    const int64_t vpf_stride = std::min<int64_t>(vrow_bytes, 64);
+    const int64_t vpf_end = std::min<int64_t>(R * 8, kGroup * Lt.D * vrow_bytes / vpf_stride);
     const int64_t n = nb * Lt.BP;
     // Accumulators in acc are rescaled here; pv_group's running sums o by pv_group (alpha).
     float* const acc_h = Lt.lane_acc ? S.acc.data() + hl * R * Lt.AS : nullptr;
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
-        prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % kGroup]) + i / kGroup * vrow_bytes);
+        prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % kGroup]) + i / kGroup * vpf_stride);
       S.alpha[hl * R + r] = softmax_step(S.p.data() + r * Lt.PG, n, S.m[hl * R + r],
                                          S.l[hl * R + r], acc_h ? acc_h + r * Lt.AS : nullptr,
                                          Lt.D * W);
@@ -1282,15 +1327,15 @@ struct ItemWorker {
       auto acc = [&](int64_t r) { return acc_h ? acc_h + r * AS : nullptr; };
       if (nb == kGroup) {
         for (; r2 + 4 <= R; r2 += 4)
-          pv_group<NVc, 4, kGroup>(src, nb, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS,
-                                   D, g.v_next, vrow_bytes, first, last);
+          pv_group<NVc, 4, kGroup>(src, nb, Lt.NV, pp + r2 * PG, PG, ot + r2 * D, al + r2,
+                                   acc(r2), AS, D, g.v_next, vrow_bytes, first, last);
       }
       for (; r2 + 4 <= R; r2 += 4)
-        pv_group<NVc, 4, 0>(src, nb, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS, D,
-                            g.v_next, vrow_bytes, first, last);
+        pv_group<NVc, 4, 0>(src, nb, Lt.NV, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS,
+                            D, g.v_next, vrow_bytes, first, last);
       for (; r2 < R; ++r2)
-        pv_group<NVc, 1, 0>(src, nb, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS, D,
-                            g.v_next, vrow_bytes, first, last);
+        pv_group<NVc, 1, 0>(src, nb, Lt.NV, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS,
+                            D, g.v_next, vrow_bytes, first, last);
     };
     auto dispatch = [&](auto src) {
       if (Lt.NV == 1) run(std::integral_constant<int, 1>{}, src);
@@ -1414,8 +1459,8 @@ void attention_impl(const AttentionParams& P) {
       w.start(item_info(P, plan, item));
       // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the
       // p.v accumulators per group, kv head after kv head.
-      for (int64_t b0 = w.it.b_first; b0 <= w.it.b_last; b0 += kGroup) {
-        const int64_t nb = std::min<int64_t>(kGroup, w.it.b_last - b0 + 1);
+      for (int64_t b0 = w.it.b_first; b0 <= w.it.b_last; b0 += Lt.group) {
+        const int64_t nb = std::min<int64_t>(Lt.group, w.it.b_last - b0 + 1);
         w.visibility(b0, nb, g);
         for (int64_t hl = 0; hl < w.it.nh; ++hl) {
           w.group_blocks(hl, b0, nb, item + 1, end, g);
