@@ -42,6 +42,24 @@
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 
+// Switches for benchmarks/kernel_phases.py, which times the phases of the kernel by building
+// it without each one (the others then run on stale but finite data): q.k, the softmax step,
+// p.v; PHASE_ARITH reads only the first two blocks of every sequence, alternately, so K and V
+// come from the core's caches and a call costs its arithmetic alone. The library builds leave
+// them as they are here.
+#ifndef PAGED_OPS_PHASE_ARITH
+#define PAGED_OPS_PHASE_ARITH 0
+#endif
+#ifndef PAGED_OPS_PHASE_QK
+#define PAGED_OPS_PHASE_QK 1
+#endif
+#ifndef PAGED_OPS_PHASE_SM
+#define PAGED_OPS_PHASE_SM 1
+#endif
+#ifndef PAGED_OPS_PHASE_PV
+#define PAGED_OPS_PHASE_PV 1
+#endif
+
 using VecF = at::vec::Vectorized<float>;
 constexpr int64_t W = VecF::size();  // fp32 lanes: 8 (DEFAULT, AVX2) or 16 (AVX-512)
 
@@ -1098,7 +1116,8 @@ struct ItemWorker {
     const int32_t* table = P.block_tables + s * P.bt_stride_seq;
     const int64_t head = kvh * (Lt.D * Lt.bs);
     for (int64_t k = 0; k < n; ++k) {
-      const int64_t blk = table[(b + k) * P.bt_stride_col];
+      const int64_t col = PAGED_OPS_PHASE_ARITH ? (b + k) % 2 : b + k;
+      const int64_t blk = table[col * P.bt_stride_col];
       k_out[k] = kc + blk * P.k_stride_block + head;
       v_out[k] = vc + blk * P.v_stride_block + head;
     }
@@ -1173,7 +1192,7 @@ struct ItemWorker {
     // item without blocks (empty split, seq_len 0) still turns its sums into rows.
     if (!Lt.fast_pv)
       std::fill(S.acc.begin(), S.acc.begin() + it.nh * R * Lt.AS, 0.f);
-    else if (it.b_first > it.b_last)
+    else if (!PAGED_OPS_PHASE_PV || it.b_first > it.b_last)  // (sums start at 0 without p.v)
       std::fill(S.ot.begin(), S.ot.begin() + it.nh * R * D, 0.f);
   }
 
@@ -1239,7 +1258,8 @@ struct ItemWorker {
                                                XW, pf);
         }
       };
-      if (XW == W) {
+      if (!PAGED_OPS_PHASE_QK) {
+      } else if (XW == W) {
         qk(std::integral_constant<int, 4>{}, std::true_type{});
         qk(std::integral_constant<int, 1>{}, std::true_type{});
       } else {
@@ -1290,6 +1310,7 @@ struct ItemWorker {
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
         prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % kGroup]) + i / kGroup * vpf_stride);
+      if (!PAGED_OPS_PHASE_SM) continue;
       S.alpha[hl * R + r] = softmax_step(S.p.data() + r * Lt.PG, n, S.m[hl * R + r],
                                          S.l[hl * R + r], acc_h ? acc_h + r * Lt.AS : nullptr,
                                          Lt.D * W);
@@ -1466,7 +1487,7 @@ void attention_impl(const AttentionParams& P) {
           w.group_blocks(hl, b0, nb, item + 1, end, g);
           w.logits(hl, b0, nb, g);
           w.softmax(hl, nb, g);
-          w.pv(hl, nb, b0 == w.it.b_first, b0 + nb > w.it.b_last, g);
+          if (PAGED_OPS_PHASE_PV) w.pv(hl, nb, b0 == w.it.b_first, b0 + nb > w.it.b_last, g);
         }
       }
       w.finish(part_ml.data(), part_o.data());
