@@ -37,6 +37,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/fp8.h"
 #include "cpu/kernels.h"
 
 namespace paged::cpu {
@@ -62,31 +63,6 @@ inline namespace CPU_CAPABILITY {
 
 using VecF = at::vec::Vectorized<float>;
 constexpr int64_t W = VecF::size();  // fp32 lanes: 8 (DEFAULT, AVX2) or 16 (AVX-512)
-
-template <typename T>
-constexpr bool is_fp8_v =
-    std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
-
-// The kernel reads e4m3fn caches in units of 2^-8 (the value times 2^-8, exact): that is what
-// reinterpreting its bits as an fp16 gives, so the vector decode is a shift and a convert. The
-// factor 2^8 is folded into the scales (fp8_unit).
-template <typename T>
-constexpr float fp8_unit() {
-  return std::is_same_v<T, c10::Float8_e4m3fn> ? 256.f : 1.f;
-}
-
-// fp8 -> fp32 (in the kernel's units) by table lookup: the scalar and partial-vector path.
-template <typename T>
-inline const float* fp8_table() {
-  static const auto table = [] {
-    std::vector<float> t(256);
-    for (int i = 0; i < 256; ++i) {
-      t[i] = static_cast<float>(T(static_cast<uint8_t>(i), T::from_bits())) / fp8_unit<T>();
-    }
-    return t;
-  }();
-  return table.data();
-}
 
 // Load `count` (<= W) elements of T as fp32 lanes; missing lanes are zero.
 template <typename T>
