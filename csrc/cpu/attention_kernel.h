@@ -250,9 +250,9 @@ inline float to_f32(T v) {
 // all its kv heads: the state that lives through the item (qrep, acc, m, l) has HR rows, the
 // per-step buffers R.
 struct Scratch {
-  std::vector<float> qrep;   // [HR][D/x][XW]: q chunk c (pre-scaled) repeated to XW lanes
-  std::vector<float> raw;    // [R][KP] per-lane partial q.k sums of one block (t * x + i)
-  std::vector<float> p;      // [R][kGroup * BP] logits, then probabilities of a group of blocks
+  std::vector<float> qrep;  // [HR][D/x][q_repeat]: q chunk c (pre-scaled) repeated to q_repeat
+  std::vector<float> raw;    // [R][raw_row] per-lane partial q.k sums of one block (t * x + i)
+  std::vector<float> p;  // [R][kGroup * block_row] logits, then probabilities of a group
   std::vector<float> acc;    // [HR][D][W] running sum of p * v, lanes not yet summed (lane_acc)
   std::vector<float> ot;     // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
   std::vector<float> alpha;  // [HR] the group's rescale factor of each row's sum (softmax_step)
@@ -375,24 +375,25 @@ inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + out + t * W);
 }
 
-// raw[g][j] = sum_c qrep[g][c][j % XW] * kblk[c][j] for the G_T rows of a tile, where
+// raw[g][j] = sum_c qrep[g][c][j % q_repeat] * kblk[c][j] for the G_T rows of a tile, where
 // kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
-// q chunk c repeated to XW = max(x, W) lanes, so the q vector at offset j % XW lines up with
-// the K vector at j. XW == 2 W (fp8, or bf16 read in pairs, on AVX2): the two halves fold into
+// q chunk c repeated to q_repeat = max(x, W) lanes, so the q vector at offset j % q_repeat lines
+// up with the K vector at j. q_repeat == 2 W (fp8, or bf16 read in pairs, on AVX2): the two
+// halves fold into
 // W lanes per unit instead (qk_step, H = 2). Every chunk iteration steps the prefetch cursor
 // once: qk_tile_iterations counts them and must follow any change to these loops.
 template <int G_T, bool ONE_Q, typename T>
 inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
-                    int64_t chunk_elems, int64_t raw_stride, int64_t XW, PrefetchCursor& pf) {
-  // ONE_Q: XW == W, so every K vector of a chunk pairs with the same q vector.
-  if (!ONE_Q && XW == 2 * W) {  // two units per step, each q half loaded once for both
-    const int64_t units = chunk_elems / XW;  // of 2 W elements: see qk_step, H = 2
+                    int64_t chunk_elems, int64_t raw_stride, int64_t q_repeat, PrefetchCursor& pf) {
+  // ONE_Q: q_repeat == W, so every K vector of a chunk pairs with the same q vector.
+  if (!ONE_Q && q_repeat == 2 * W) {  // two units per step, each q half loaded once for both
+    const int64_t units = chunk_elems / q_repeat;  // of 2 W elements: see qk_step, H = 2
     int64_t t = 0;
     for (; t + 2 <= units; t += 2)
-      qk_step<G_T, 2, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, t * XW,
+      qk_step<G_T, 2, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, t * q_repeat,
                          t * W);
     for (; t < units; ++t)
-      qk_step<G_T, 1, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, t * XW,
+      qk_step<G_T, 1, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, t * q_repeat,
                          t * W);
     return;
   }
@@ -405,7 +406,7 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
   }
   // Two K vectors per step: 2 loads + G_T (or 2 G_T) q loads feed 2 G_T FMAs.
   for (; j + 2 * W <= chunk_elems; j += 2 * W) {
-    const int64_t o0 = j % XW, o1 = (j + W) % XW;
+    const int64_t o0 = j % q_repeat, o1 = (j + W) % q_repeat;
     VecF a[G_T], b[G_T];
     for (int g = 0; g < G_T; ++g) a[g] = b[g] = VecF(0.f);
     for (int64_t c = 0; c < num_chunks; ++c) {
@@ -413,7 +414,7 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
       const VecF k0 = load_f32(kblk + c * chunk_elems + j);
       const VecF k1 = load_f32(kblk + c * chunk_elems + j + W);
       for (int g = 0; g < G_T; ++g) {
-        const float* q = qrep + (g * num_chunks + c) * XW;
+        const float* q = qrep + (g * num_chunks + c) * q_repeat;
         const VecF q0 = VecF::loadu(q + (ONE_Q ? 0 : o0));
         a[g] = at::vec::fmadd(k0, q0, a[g]);
         b[g] = at::vec::fmadd(k1, ONE_Q ? q0 : VecF::loadu(q + o1), b[g]);
@@ -426,14 +427,14 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
   }
   for (; j < chunk_elems; j += W) {
     const int64_t cnt = std::min<int64_t>(W, chunk_elems - j);
-    const int64_t o0 = j % XW;
+    const int64_t o0 = j % q_repeat;
     VecF a[G_T];
     for (int g = 0; g < G_T; ++g) a[g] = VecF(0.f);
     for (int64_t c = 0; c < num_chunks; ++c) {
       pf.step();
       const VecF k = load_f32(kblk + c * chunk_elems + j, cnt);
       for (int g = 0; g < G_T; ++g) {
-        a[g] = at::vec::fmadd(k, VecF::loadu(qrep + (g * num_chunks + c) * XW + o0), a[g]);
+        a[g] = at::vec::fmadd(k, VecF::loadu(qrep + (g * num_chunks + c) * q_repeat + o0), a[g]);
       }
     }
     for (int g = 0; g < G_T; ++g) a[g].store(raw + g * raw_stride + j);
@@ -441,13 +442,13 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
 }
 
 // Chunk iterations of one qk_tile call (one PrefetchCursor::step() each), mirroring its loops.
-inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64_t XW) {
+inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64_t q_repeat) {
   int64_t steps = 0;
-  if (XW == 2 * W) {
-    const int64_t units = chunk_elems / XW;
+  if (q_repeat == 2 * W) {
+    const int64_t units = chunk_elems / q_repeat;
     steps = units / 2 + units % 2;
   } else {
-    const int64_t three = XW == W ? chunk_elems / (3 * W) : 0;
+    const int64_t three = q_repeat == W ? chunk_elems / (3 * W) : 0;
     const int64_t two = (chunk_elems - three * 3 * W) / (2 * W);
     steps = three + two + (chunk_elems - three * 3 * W - two * 2 * W + W - 1) / W;
   }
@@ -623,7 +624,7 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // p . v of a group of blocks for a tile of RT query rows: the [D][bs] V blocks (bs == NV * W)
 // are read in steps of DT rows d; each lane of an accumulator a[r][u] sums p[r][t] * v[d + u][t]
 // over the offsets t = lane (mod W) of every block of the group, in registers (one V row load
-// and conversion feeds the RT rows of the tile; the probabilities p[r][k * BP + t] are
+// and conversion feeds the RT rows of the tile; the probabilities p[r][k * block_row + t] are
 // loaded once per step and row). Where to then:
 // - 8 lanes (AVX2, portable): the lanes are summed once per group into the rows' running sums
 //   o (tile_sums, which also applies the softmax rescale alpha). The running sums are D floats
@@ -837,13 +838,13 @@ inline void v_block_to_f32(const T* vblk, float* dst, int64_t D, int64_t bs, int
 template <typename CT>
 struct Layout {
   int64_t G, D, bs, x, num_chunks, chunk_elems;
-  int64_t KP;  // raw row, padded to whole vectors
-  int64_t BP;  // probability row of one block, padded to whole vectors
-  int64_t PG;  // probabilities of a group of blocks
+  int64_t raw_row;  // raw row, padded to whole vectors
+  int64_t block_row;  // probability row of one block, padded to whole vectors
+  int64_t group_row;  // probabilities of a group of blocks
   int64_t group;  // blocks per group (kGroupTokens, at most kGroup)
   // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
   // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
-  int64_t AS;
+  int64_t acc_row;
   // bf16 keys with an even block size are read in pairs (load_bf16_pairs): units of two
   // tokens' chunks, split into even and odd elements, each half paired with the q chunk's
   // even / odd elements.
@@ -852,7 +853,7 @@ struct Layout {
   // CPU has them (kDotBF16) and the block's chunk is whole units of 2 W elements. qrep then
   // holds the unscaled bf16 q (qk_scale multiplies the logits instead: q stays exact).
   bool dot_bf16;
-  int64_t XW;     // q chunk repetition length (x, W: powers of 2)
+  int64_t q_repeat;     // q chunk repetition length (x, W: powers of 2)
   int64_t x_sum;  // raw lanes per token
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
@@ -866,22 +867,22 @@ struct Layout {
       : G(P.num_heads / P.num_kv_heads), D(P.head_size), bs(P.block_size), x(P.x) {
     num_chunks = D / x;
     chunk_elems = bs * x;
-    KP = round_up(chunk_elems, W);
-    BP = round_up(bs, W);
-    PG = kGroup * BP;
+    raw_row = round_up(chunk_elems, W);
+    block_row = round_up(bs, W);
+    group_row = kGroup * block_row;
     group = std::clamp<int64_t>(kGroupTokens / bs, 1, kGroup);
-    AS = D * W + 16;
+    acc_row = D * W + 16;
     dot_bf16 = kDotBF16 && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 &&
                chunk_elems % (2 * W) == 0;
     split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
-    XW = dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
-    x_sum = dot_bf16 || XW == 2 * W ? x / 2 : x;
+    q_repeat = dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
+    x_sum = dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV % 4 == 0);
     lane_acc = !fast_pv || kLaneAcc;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
     qk_iters = dot_bf16 ? qk_dot_iterations(chunk_elems, num_chunks)
-                        : qk_tile_iterations(chunk_elems, num_chunks, XW);
+                        : qk_tile_iterations(chunk_elems, num_chunks, q_repeat);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
     v_scale = P.v_scale * fp8_unit<CT>();
   }
@@ -904,40 +905,42 @@ struct GroupBlocks {
 template <typename QT, typename CT>
 struct ItemWorker {
   const AttentionParams& P;
-  const Layout<CT>& Lt;
+  const Layout<CT>& layout;
   const Plan& plan;
-  Scratch& S;
+  Scratch& scratch;
   const CT* const kc;
   const CT* const vc;
   ItemInfo it{};
   int64_t R = 0;  // query rows of one kv head of the item
 
-  ItemWorker(const AttentionParams& P_, const Layout<CT>& Lt_, const Plan& plan_, Scratch& S_)
-      : P(P_), Lt(Lt_), plan(plan_), S(S_), kc(static_cast<const CT*>(P_.key_cache)),
+  ItemWorker(const AttentionParams& P_, const Layout<CT>& layout_, const Plan& plan_,
+             Scratch& scratch_)
+      : P(P_), layout(layout_), plan(plan_), scratch(scratch_),
+        kc(static_cast<const CT*>(P_.key_cache)),
         vc(static_cast<const CT*>(P_.value_cache)) {
-    const int64_t R_max = plan.tokens_per_chunk * Lt.G;     // rows of one kv head
+    const int64_t R_max = plan.tokens_per_chunk * layout.G;     // rows of one kv head
     const int64_t HR_max = R_max * plan.heads_per_item;    // rows of an item
-    grow(S.qrep, HR_max * Lt.num_chunks * Lt.XW);
-    grow(S.raw, R_max * Lt.KP);
-    grow(S.p, R_max * Lt.PG);
-    if (Lt.lane_acc) grow(S.acc, HR_max * Lt.AS);
-    grow(S.ot, HR_max * Lt.D);
-    grow(S.alpha, HR_max);
-    grow(S.o, HR_max * Lt.D);
-    grow(S.qf, Lt.D);
-    grow(S.vtmp, kGroup * Lt.D * Lt.bs);
-    grow(S.vraw, kGroup * Lt.D * Lt.bs * static_cast<int64_t>(sizeof(CT)));
-    grow(S.m, HR_max);
-    grow(S.l, HR_max);
-    S.row_P.resize(R_max);
-    S.row_lo.resize(R_max);
+    grow(scratch.qrep, HR_max * layout.num_chunks * layout.q_repeat);
+    grow(scratch.raw, R_max * layout.raw_row);
+    grow(scratch.p, R_max * layout.group_row);
+    if (layout.lane_acc) grow(scratch.acc, HR_max * layout.acc_row);
+    grow(scratch.ot, HR_max * layout.D);
+    grow(scratch.alpha, HR_max);
+    grow(scratch.o, HR_max * layout.D);
+    grow(scratch.qf, layout.D);
+    grow(scratch.vtmp, kGroup * layout.D * layout.bs);
+    grow(scratch.vraw, kGroup * layout.D * layout.bs * static_cast<int64_t>(sizeof(CT)));
+    grow(scratch.m, HR_max);
+    grow(scratch.l, HR_max);
+    scratch.row_P.resize(R_max);
+    scratch.row_lo.resize(R_max);
   }
 
   // K and V of blocks [b, b + n) of sequence s, kv head kvh, through the block table.
   void blocks(int64_t s, int64_t kvh, int64_t b, int64_t n, const CT** k_out,
               const CT** v_out) const {
     const int32_t* table = P.block_tables + s * P.bt_stride_seq;
-    const int64_t head = kvh * (Lt.D * Lt.bs);
+    const int64_t head = kvh * (layout.D * layout.bs);
     for (int64_t k = 0; k < n; ++k) {
       const int64_t col = PAGED_OPS_PHASE_ARITH ? (b + k) % 2 : b + k;
       const int64_t blk = table[col * P.bt_stride_col];
@@ -946,20 +949,20 @@ struct ItemWorker {
     }
   }
 
-  // One query row's q.k operand: chunk c of qf (x elements) repeated to XW lanes, element
+  // One query row's q.k operand: chunk c of qf (x elements) repeated to q_repeat lanes, element
   // lane mod x in each lane; split_k: lanes [0, W) hold the even elements, [W, 2W) the odd
   // ones, each twice (the two tokens of a unit). With vector moves: it runs for every row of
   // every item, which short items feel.
   void fill_qrep(const float* qf, float* rp) const {
-    const int64_t x = Lt.x, XW = Lt.XW;
-    if (XW == x) {  // chunk by chunk, the row itself
-      std::memcpy(rp, qf, Lt.D * sizeof(float));
+    const int64_t x = layout.x, q_repeat = layout.q_repeat;
+    if (q_repeat == x) {  // chunk by chunk, the row itself
+      std::memcpy(rp, qf, layout.D * sizeof(float));
       return;
     }
-    for (int64_t c = 0; c < Lt.num_chunks; ++c, rp += XW) {
+    for (int64_t c = 0; c < layout.num_chunks; ++c, rp += q_repeat) {
       const float* chunk = qf + c * x;
 #if defined(CPU_CAPABILITY_AVX2)  // the only capability where split_k is set
-      if (Lt.split_k) {  // x == W: [even, even, odd, odd] elements of the chunk
+      if (layout.split_k) {  // x == W: [even, even, odd, odd] elements of the chunk
         const __m256 v = _mm256_loadu_ps(chunk);
         const __m256 e = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
         const __m256 o = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
@@ -967,12 +970,12 @@ struct ItemWorker {
         _mm256_storeu_ps(rp + W, o);
         continue;
       }
-      if (x == 4 && XW == 8) {  // fp32: the 4 elements in both halves
+      if (x == 4 && q_repeat == 8) {  // fp32: the 4 elements in both halves
         _mm256_storeu_ps(rp, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(chunk)));
         continue;
       }
 #endif
-      for (int64_t r = 0; r < XW; r += x)  // x < XW: the chunk repeated
+      for (int64_t r = 0; r < q_repeat; r += x)  // x < q_repeat: the chunk repeated
         for (int64_t i = 0; i < x; ++i) rp[r + i] = chunk[i];
     }
   }
@@ -981,50 +984,51 @@ struct ItemWorker {
   // across lanes for q.k), running max and normalizer.
   void start(const ItemInfo& info) {
     it = info;
-    const int64_t G = Lt.G, D = Lt.D, XW = Lt.XW, num_chunks = Lt.num_chunks;
+    const int64_t G = layout.G, D = layout.D, q_repeat = layout.q_repeat;
+    const int64_t num_chunks = layout.num_chunks;
     R = (it.j1 - it.j0) * G;
     for (int64_t r = 0; r < R; ++r) {
       const int64_t Ppos = it.L - it.q_len + it.j0 + r / G;
-      S.row_P[r] = Ppos;
-      S.row_lo[r] = first_visible(P, Ppos);
+      scratch.row_P[r] = Ppos;
+      scratch.row_lo[r] = first_visible(P, Ppos);
     }
     const bool multi = P.query_start_loc != nullptr;
     const QT* q_base = static_cast<const QT*>(P.query);
     for (int64_t hr = 0; hr < it.nh * R; ++hr) {
       const int64_t r = hr % R, j = it.j0 + r / G, h = (it.kvh + hr / R) * G + r % G;
       const QT* q = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
-      S.m[hr] = -std::numeric_limits<float>::infinity();
-      S.l[hr] = 0.f;
+      scratch.m[hr] = -std::numeric_limits<float>::infinity();
+      scratch.l[hr] = 0.f;
       if constexpr (std::is_same_v<QT, c10::BFloat16>) {
-        if (Lt.dot_bf16) {  // each chunk's x bf16 values as they are, repeated to 2 W
-          QT* rp = reinterpret_cast<QT*>(S.qrep.data() + hr * num_chunks * XW);
+        if (layout.dot_bf16) {  // each chunk's x bf16 values as they are, repeated to 2 W
+          QT* rp = reinterpret_cast<QT*>(scratch.qrep.data() + hr * num_chunks * q_repeat);
           for (int64_t c = 0; c < num_chunks; ++c)
-            for (int64_t i = 0; i < 2 * W; i += Lt.x, rp += Lt.x)
-              std::memcpy(rp, q + c * Lt.x, Lt.x * sizeof(QT));
+            for (int64_t i = 0; i < 2 * W; i += layout.x, rp += layout.x)
+              std::memcpy(rp, q + c * layout.x, layout.x * sizeof(QT));
           continue;
         }
       }
-      float* qf = S.qf.data();
+      float* qf = scratch.qf.data();
       for (int64_t d = 0; d < D; d += W) {
         const int64_t n = std::min<int64_t>(W, D - d);
-        (load_f32(q + d, n) * VecF(Lt.qk_scale)).store(qf + d, n);
+        (load_f32(q + d, n) * VecF(layout.qk_scale)).store(qf + d, n);
       }
-      fill_qrep(qf, S.qrep.data() + hr * num_chunks * XW);
+      fill_qrep(qf, scratch.qrep.data() + hr * num_chunks * q_repeat);
     }
     // pv_group starts its sums itself on the first group (init); pv_row_any adds, and an
     // item without blocks (empty split, seq_len 0) still turns its sums into rows.
-    if (!Lt.fast_pv)
-      std::fill(S.acc.begin(), S.acc.begin() + it.nh * R * Lt.AS, 0.f);
+    if (!layout.fast_pv)
+      std::fill(scratch.acc.begin(), scratch.acc.begin() + it.nh * R * layout.acc_row, 0.f);
     else if (!PAGED_OPS_PHASE_PV || it.b_first > it.b_last)  // (sums start at 0 without p.v)
-      std::fill(S.ot.begin(), S.ot.begin() + it.nh * R * D, 0.f);
+      std::fill(scratch.ot.begin(), scratch.ot.begin() + it.nh * R * D, 0.f);
   }
 
   // Visible offsets of the group's blocks [b0, b0 + nb) for the item's rows together.
   void visibility(int64_t b0, int64_t nb, GroupBlocks<CT>& g) const {
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
-      g.t0[k] = std::clamp<int64_t>(it.lo_min - b * Lt.bs, 0, Lt.bs);
-      g.t1[k] = std::clamp<int64_t>(it.P_max + 1 - b * Lt.bs, 0, Lt.bs);
+      g.t0[k] = std::clamp<int64_t>(it.lo_min - b * layout.bs, 0, layout.bs);
+      g.t1[k] = std::clamp<int64_t>(it.P_max + 1 - b * layout.bs, 0, layout.bs);
     }
   }
 
@@ -1040,11 +1044,11 @@ struct ItemWorker {
       nb_next = nb;
       blocks(it.s, kvh + 1, b0, nb, g.k_next, g.v_next);
     } else if (b0 + nb <= it.b_last) {
-      nb_next = std::min<int64_t>(Lt.group, it.b_last - b0 - nb + 1);
+      nb_next = std::min<int64_t>(layout.group, it.b_last - b0 - nb + 1);
       blocks(it.s, it.kvh, b0 + nb, nb_next, g.k_next, g.v_next);
     } else if (next_item < end) {
       const ItemInfo nx = item_info(P, plan, next_item);
-      nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, Lt.group);
+      nb_next = std::clamp<int64_t>(nx.b_last - nx.b_first + 1, 0, layout.group);
       blocks(nx.s, nx.kvh, nx.b_first, nb_next, g.k_next, g.v_next);
     }
     for (int64_t k = nb_next; k < kGroup; ++k) {  // nothing left: this group again, harmless
@@ -1053,36 +1057,37 @@ struct ItemWorker {
     }
   }
 
-  // Logits of every row of kv head hl for each block of the group: p[r][k * BP + t]; hidden
-  // offsets and the padding up to BP are -inf by position, never computed from cache data.
+  // Logits of every row of kv head hl for each block of the group: p[r][k * block_row + t]; hidden
+  // offsets and the padding up to block_row are -inf by position, never computed from cache data.
   void logits(int64_t hl, int64_t b0, int64_t nb, const GroupBlocks<CT>& g) {
-    const int64_t num_chunks = Lt.num_chunks, XW = Lt.XW, KP = Lt.KP, BP = Lt.BP, bs = Lt.bs;
+    const int64_t num_chunks = layout.num_chunks, q_repeat = layout.q_repeat;
+    const int64_t raw_row = layout.raw_row, block_row = layout.block_row, bs = layout.bs;
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const float* const qrep_h = S.qrep.data() + hl * R * num_chunks * XW;
-    const int64_t h0 = (it.kvh + hl) * Lt.G;
+    const float* const qrep_h = scratch.qrep.data() + hl * R * num_chunks * q_repeat;
+    const int64_t h0 = (it.kvh + hl) * layout.G;
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       int64_t r = 0;
       // The next block's key lines, spread over every tile of rows (R / 4 + R % 4 tiles).
-      PrefetchCursor pf(g.k_next[k], Lt.D * bs * static_cast<int64_t>(sizeof(CT)),
-                        (R / 4 + R % 4) * Lt.qk_iters);
+      PrefetchCursor pf(g.k_next[k], layout.D * bs * static_cast<int64_t>(sizeof(CT)),
+                        (R / 4 + R % 4) * layout.qk_iters);
       auto qk = [&](auto tile, auto one_q) {
         constexpr int G_T = decltype(tile)::value;
         for (; r + G_T <= R; r += G_T) {
-          const float* qr = qrep_h + r * num_chunks * XW;
-          float* raw = S.raw.data() + r * KP;
+          const float* qr = qrep_h + r * num_chunks * q_repeat;
+          float* raw = scratch.raw.data() + r * raw_row;
           if constexpr (std::is_same_v<CT, c10::BFloat16>) {
-            if (Lt.dot_bf16) {
-              qk_tile_dot<G_T>(g.k[k], qr, raw, num_chunks, Lt.chunk_elems, KP, pf);
+            if (layout.dot_bf16) {
+              qk_tile_dot<G_T>(g.k[k], qr, raw, num_chunks, layout.chunk_elems, raw_row, pf);
               continue;
             }
           }
-          qk_tile<G_T, decltype(one_q)::value>(g.k[k], qr, raw, num_chunks, Lt.chunk_elems, KP,
-                                               XW, pf);
+          qk_tile<G_T, decltype(one_q)::value>(g.k[k], qr, raw, num_chunks, layout.chunk_elems,
+                                               raw_row, q_repeat, pf);
         }
       };
       if (!PAGED_OPS_PHASE_QK) {
-      } else if (XW == W) {
+      } else if (q_repeat == W) {
         qk(std::integral_constant<int, 4>{}, std::true_type{});
         qk(std::integral_constant<int, 1>{}, std::true_type{});
       } else {
@@ -1090,20 +1095,20 @@ struct ItemWorker {
         qk(std::integral_constant<int, 1>{}, std::false_type{});
       }
       for (r = 0; r < R; ++r) {
-        float* pr = S.p.data() + r * Lt.PG + k * BP;
-        const int64_t t0 = std::clamp<int64_t>(S.row_lo[r] - b * bs, 0, bs);
-        const int64_t t1 = std::clamp<int64_t>(S.row_P[r] + 1 - b * bs, 0, bs);
+        float* pr = scratch.p.data() + r * layout.group_row + k * block_row;
+        const int64_t t0 = std::clamp<int64_t>(scratch.row_lo[r] - b * bs, 0, bs);
+        const int64_t t1 = std::clamp<int64_t>(scratch.row_P[r] + 1 - b * bs, 0, bs);
         if (t0 >= t1) {  // nothing of this block is visible to this row
-          std::fill(pr, pr + BP, neg_inf);
+          std::fill(pr, pr + block_row, neg_inf);
           continue;
         }
-        sum_lane_groups(S.raw.data() + r * KP, Lt.x_sum, bs, pr);
-        if (Lt.dot_bf16)
-          for (int64_t t = 0; t < bs; ++t) pr[t] *= Lt.qk_scale;
-        for (int64_t t = bs; t < BP; ++t) pr[t] = neg_inf;
-        if (!Lt.plain_logits || t0 > 0 || t1 < bs) {
+        sum_lane_groups(scratch.raw.data() + r * raw_row, layout.x_sum, bs, pr);
+        if (layout.dot_bf16)
+          for (int64_t t = 0; t < bs; ++t) pr[t] *= layout.qk_scale;
+        for (int64_t t = bs; t < block_row; ++t) pr[t] = neg_inf;
+        if (!layout.plain_logits || t0 > 0 || t1 < bs) {
           const float slope =
-              P.alibi_slopes ? P.alibi_slopes[(h0 + r % Lt.G) * P.alibi_stride] : 0.f;
+              P.alibi_slopes ? P.alibi_slopes[(h0 + r % layout.G) * P.alibi_stride] : 0.f;
           for (int64_t t = 0; t < bs; ++t) {
             if (t < t0 || t >= t1) {
               pr[t] = neg_inf;
@@ -1111,7 +1116,7 @@ struct ItemWorker {
             }
             float v = pr[t];
             if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
-            if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - S.row_P[r]);
+            if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - scratch.row_P[r]);
             pr[t] = v;
           }
         }
@@ -1124,19 +1129,20 @@ struct ItemWorker {
   // prefetched meanwhile, 8 per row (measured 2-7% faster than leaving memory idle).
   void softmax(int64_t hl, int64_t nb, const GroupBlocks<CT>& g) {
     // Rows of up to a line each, else lines.
-    const int64_t vrow_bytes = Lt.bs * static_cast<int64_t>(sizeof(CT));
+    const int64_t vrow_bytes = layout.bs * static_cast<int64_t>(sizeof(CT));
     const int64_t vpf_stride = std::min<int64_t>(vrow_bytes, 64);
-    const int64_t vpf_end = std::min<int64_t>(R * 8, kGroup * Lt.D * vrow_bytes / vpf_stride);
-    const int64_t n = nb * Lt.BP;
+    const int64_t vpf_end = std::min<int64_t>(R * 8, kGroup * layout.D * vrow_bytes / vpf_stride);
+    const int64_t n = nb * layout.block_row;
     // Accumulators in acc are rescaled here; pv_group's running sums o by pv_group (alpha).
-    float* const acc_h = Lt.lane_acc ? S.acc.data() + hl * R * Lt.AS : nullptr;
+    float* const acc_h = layout.lane_acc ? scratch.acc.data() + hl * R * layout.acc_row : nullptr;
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
         prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % kGroup]) + i / kGroup * vpf_stride);
       if (!PAGED_OPS_PHASE_SM) continue;
-      S.alpha[hl * R + r] = softmax_step(S.p.data() + r * Lt.PG, n, S.m[hl * R + r],
-                                         S.l[hl * R + r], acc_h ? acc_h + r * Lt.AS : nullptr,
-                                         Lt.D * W);
+      scratch.alpha[hl * R + r] =
+          softmax_step(scratch.p.data() + r * layout.group_row, n, scratch.m[hl * R + r],
+                       scratch.l[hl * R + r], acc_h ? acc_h + r * layout.acc_row : nullptr,
+                       layout.D * W);
     }
   }
 
@@ -1147,52 +1153,56 @@ struct ItemWorker {
   // tiles. (Converting a whole group for its one partial block made calls of odd lengths
   // 13-25% slower.)
   void pv(int64_t hl, int64_t nb, bool first, bool last, const GroupBlocks<CT>& g) {
-    const int64_t D = Lt.D, bs = Lt.bs, PG = Lt.PG, AS = Lt.AS;
-    float* const acc_h = Lt.lane_acc ? S.acc.data() + hl * R * AS : nullptr;
+    const int64_t D = layout.D, bs = layout.bs;
+    const int64_t group_row = layout.group_row, acc_row = layout.acc_row;
+    float* const acc_h = layout.lane_acc ? scratch.acc.data() + hl * R * acc_row : nullptr;
     const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
     auto vcopy = [&]() {
       for (int64_t k = 0; k < nb; ++k)
-        v_block_to_f32(g.v[k], S.vtmp.data() + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+        v_block_to_f32(g.v[k], scratch.vtmp.data() + k * D * bs, D, bs, g.t0[k], g.t1[k]);
     };
-    if (!Lt.fast_pv) {
+    if (!layout.fast_pv) {
       vcopy();
       for (int64_t k = 0; k < nb; ++k)
         for (int64_t r = 0; r < R; ++r)
-          pv_row_any(S.vtmp.data() + k * D * bs, S.p.data() + r * PG + k * Lt.BP, acc_h + r * AS,
+          pv_row_any(scratch.vtmp.data() + k * D * bs,
+                     scratch.p.data() + r * group_row + k * layout.block_row, acc_h + r * acc_row,
                      D, bs);
       return;
     }
     auto run = [&](auto nv, auto src) {
       constexpr int NVc = decltype(nv)::value;
-      const float* pp = S.p.data();
-      float* const ot = S.ot.data() + hl * R * D;  // tiles of 4 rows, then single rows
-      const float* const al = S.alpha.data() + hl * R;
+      const float* pp = scratch.p.data();
+      float* const ot = scratch.ot.data() + hl * R * D;  // tiles of 4 rows, then single rows
+      const float* const al = scratch.alpha.data() + hl * R;
       int64_t r2 = 0;
-      auto acc = [&](int64_t r) { return acc_h ? acc_h + r * AS : nullptr; };
+      auto acc = [&](int64_t r) { return acc_h ? acc_h + r * acc_row : nullptr; };
       if (nb == kGroup) {
         for (; r2 + 4 <= R; r2 += 4)
-          pv_group<NVc, 4, kGroup>(src, nb, Lt.NV, pp + r2 * PG, PG, ot + r2 * D, al + r2,
-                                   acc(r2), AS, D, g.v_next, vrow_bytes, first, last);
+          pv_group<NVc, 4, kGroup>(src, nb, layout.NV, pp + r2 * group_row, group_row,
+                                   ot + r2 * D, al + r2, acc(r2), acc_row, D, g.v_next,
+                                   vrow_bytes, first, last);
       }
       for (; r2 + 4 <= R; r2 += 4)
-        pv_group<NVc, 4, 0>(src, nb, Lt.NV, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS,
-                            D, g.v_next, vrow_bytes, first, last);
+        pv_group<NVc, 4, 0>(src, nb, layout.NV, pp + r2 * group_row, group_row, ot + r2 * D,
+                            al + r2, acc(r2), acc_row, D, g.v_next, vrow_bytes, first, last);
       for (; r2 < R; ++r2)
-        pv_group<NVc, 1, 0>(src, nb, Lt.NV, pp + r2 * PG, PG, ot + r2 * D, al + r2, acc(r2), AS,
-                            D, g.v_next, vrow_bytes, first, last);
+        pv_group<NVc, 1, 0>(src, nb, layout.NV, pp + r2 * group_row, group_row, ot + r2 * D,
+                            al + r2, acc(r2), acc_row, D, g.v_next, vrow_bytes, first, last);
     };
     auto dispatch = [&](auto src) {
-      if (Lt.NV == 1) run(std::integral_constant<int, 1>{}, src);
-      else if (Lt.NV == 2) run(std::integral_constant<int, 2>{}, src);
+      if (layout.NV == 1) run(std::integral_constant<int, 1>{}, src);
+      else if (layout.NV == 2) run(std::integral_constant<int, 2>{}, src);
       else run(std::integral_constant<int, 4>{}, src);
     };
     if (std::is_same_v<CT, float> || R <= 4) {
-      if (kSplitPairs<CT> && Lt.NV == 2) {  // pv_group reads bf16 rows split (even, odd)
+      if (kSplitPairs<CT> && layout.NV == 2) {  // pv_group reads bf16 rows split (even, odd)
         for (int64_t r = 0; r < R; ++r)
-          for (int64_t k = 0; k < nb; ++k) split_pairs(S.p.data() + r * PG + k * Lt.BP);
+          for (int64_t k = 0; k < nb; ++k)
+            split_pairs(scratch.p.data() + r * group_row + k * layout.block_row);
       }
       const CT* src[kGroup];
-      CT* const masked = reinterpret_cast<CT*>(S.vraw.data());
+      CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
       for (int64_t k = 0; k < nb; ++k) {
         src[k] = g.t0[k] == 0 && g.t1[k] == bs
                      ? g.v[k]
@@ -1202,7 +1212,7 @@ struct ItemWorker {
     } else {
       vcopy();
       const float* vf[kGroup];
-      for (int64_t k = 0; k < nb; ++k) vf[k] = S.vtmp.data() + k * D * bs;
+      for (int64_t k = 0; k < nb; ++k) vf[k] = scratch.vtmp.data() + k * D * bs;
       dispatch(static_cast<const float* const*>(vf));
     }
   }
@@ -1211,20 +1221,20 @@ struct ItemWorker {
   // accumulators with their lanes summed), then each row normalised into the output, or
   // (split) its unnormalised state stored for merge_splits.
   void finish(float* part_ml, float* part_o) {
-    const int64_t G = Lt.G, D = Lt.D;
+    const int64_t G = layout.G, D = layout.D;
     const bool multi = P.query_start_loc != nullptr;
     QT* o_base = static_cast<QT*>(P.out);
     for (int64_t hl = 0; hl < it.nh; ++hl) {
       const int64_t kvh = it.kvh + hl;
-      float* const o_h = S.o.data() + hl * R * D;
-      if (Lt.fast_pv) {
-        rows_from_tiles(S.ot.data() + hl * R * D, R, D, o_h);
+      float* const o_h = scratch.o.data() + hl * R * D;
+      if (layout.fast_pv) {
+        rows_from_tiles(scratch.ot.data() + hl * R * D, R, D, o_h);
       } else {
         for (int64_t r = 0; r < R; ++r)
-          reduce_acc(S.acc.data() + (hl * R + r) * Lt.AS, o_h + r * D, D);
+          reduce_acc(scratch.acc.data() + (hl * R + r) * layout.acc_row, o_h + r * D, D);
       }
-      const float* m_h = S.m.data() + hl * R;
-      const float* l_h = S.l.data() + hl * R;
+      const float* m_h = scratch.m.data() + hl * R;
+      const float* l_h = scratch.l.data() + hl * R;
       if (plan.splits > 1) {
         const int64_t part = (it.s * P.num_kv_heads + kvh) * plan.splits + it.split;
         for (int64_t g = 0; g < G; ++g) {
@@ -1239,7 +1249,7 @@ struct ItemWorker {
         QT* o = o_base + (it.row0 + (multi ? j : 0)) * P.out_stride_seq +
                 (kvh * G + g) * P.out_stride_head;
         // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
-        store_scaled(o_h + r * D, l_h[r] > 0.f ? Lt.v_scale / l_h[r] : 0.f, o, D);
+        store_scaled(o_h + r * D, l_h[r] > 0.f ? layout.v_scale / l_h[r] : 0.f, o, D);
       }
     }
   }
@@ -1285,7 +1295,7 @@ void merge_splits(const AttentionParams& P, const Plan& plan, float v_scale,
 
 template <typename QT, typename CT>
 void attention_impl(const AttentionParams& P) {
-  const Layout<CT> Lt(P);
+  const Layout<CT> layout(P);
   const Plan plan = make_plan(P);
   // Split-K partial states, per (sequence, kv head, split): [G] of (m, l), [G][D] of
   // unnormalised output. finish writes every one (an empty split: m = -inf, l = 0, o = 0).
@@ -1293,18 +1303,18 @@ void attention_impl(const AttentionParams& P) {
   std::vector<float>& part_o = call_scratch().part_o;
   if (plan.splits > 1) {
     const int64_t parts = P.num_seqs * P.num_kv_heads * plan.splits;
-    grow(part_ml, parts * Lt.G * 2);
-    grow(part_o, parts * Lt.G * Lt.D);
+    grow(part_ml, parts * layout.G * 2);
+    grow(part_o, parts * layout.G * layout.D);
   }
   at::parallel_for(0, plan.num_items, plan.grain, [&](int64_t begin, int64_t end) {
-    ItemWorker<QT, CT> w(P, Lt, plan, thread_scratch());
+    ItemWorker<QT, CT> w(P, layout, plan, thread_scratch());
     GroupBlocks<CT> g;
     for (int64_t item = begin; item < end; ++item) {
       w.start(item_info(P, plan, item));
       // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the
       // p.v accumulators per group, kv head after kv head.
-      for (int64_t b0 = w.it.b_first; b0 <= w.it.b_last; b0 += Lt.group) {
-        const int64_t nb = std::min<int64_t>(Lt.group, w.it.b_last - b0 + 1);
+      for (int64_t b0 = w.it.b_first; b0 <= w.it.b_last; b0 += layout.group) {
+        const int64_t nb = std::min<int64_t>(layout.group, w.it.b_last - b0 + 1);
         w.visibility(b0, nb, g);
         for (int64_t hl = 0; hl < w.it.nh; ++hl) {
           w.group_blocks(hl, b0, nb, item + 1, end, g);
@@ -1316,7 +1326,7 @@ void attention_impl(const AttentionParams& P) {
       w.finish(part_ml.data(), part_o.data());
     }
   });
-  if (plan.splits > 1) merge_splits<QT>(P, plan, Lt.v_scale, part_ml, part_o);
+  if (plan.splits > 1) merge_splits<QT>(P, plan, layout.v_scale, part_ml, part_o);
 }
 
 template <typename QT>
