@@ -11,6 +11,15 @@
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 
+// Blocks per softmax step (see the block loop of attention_impl): at most kGroup, and about
+// kGroupTokens tokens, so that a group's K and V and the next group's, prefetched meanwhile,
+// stay well inside L2 whatever the block size.
+constexpr int64_t kGroup = 4;
+#ifndef PAGED_OPS_GROUP_TOKENS
+#define PAGED_OPS_GROUP_TOKENS 128
+#endif
+constexpr int64_t kGroupTokens = PAGED_OPS_GROUP_TOKENS;
+
 template <typename T>
 inline void grow(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
