@@ -11,6 +11,7 @@ Switches (environment):
 """
 
 import glob
+import importlib.util
 import os
 import platform
 
@@ -95,24 +96,22 @@ def extensions():
         )
     # Capability variants: separate shared objects, so that no AVX-512 code (including inline
     # functions from torch headers instantiated under those flags) can leak into code that runs
-    # on a CPU without it. paged_ops/__init__.py loads the best one ATen says the CPU supports.
+    # on a CPU without it. paged_ops/__init__.py picks one at import (docs/cpu_kernel_selection.md).
     variants_env = os.environ.get("PAGED_OPS_CPU_VARIANTS", "1").strip()
     if variants_env not in ("0", "1"):
         raise SystemExit(f"PAGED_OPS_CPU_VARIANTS must be 0 or 1, got {variants_env!r}")
     if variants_env == "1" and platform.machine().lower() in ("x86_64", "amd64"):
-        avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
-        # name: (flags, ATen's capability: which of its vector implementations to use)
-        variants = {
-            "avx2": (["-mavx2", "-mfma", "-mf16c"], "AVX2"),
-            "avx512": (avx512, "AVX512"),
-            "avx512_bf16": (avx512 + ["-mavx512bf16"], "AVX512"),
-        }
-        for name, (flags, cap) in variants.items():
+        # Their flags are shared with the test and benchmark builds (paged_ops/_cpu_build.py).
+        spec = importlib.util.spec_from_file_location(
+            "_cpu_build", os.path.join(ROOT, "paged_ops", "_cpu_build.py"))
+        cpu_build = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cpu_build)
+        for name, (flags, _) in cpu_build.VARIANTS.items():
             exts.append(
                 ce.CppExtension(
                     f"paged_ops._cpu_{name}",
-                    [f"csrc/cpu/variant_{name}.cpp"],
-                    define_macros=[("CPU_CAPABILITY", cap), (f"CPU_CAPABILITY_{cap}", None)],
+                    ["csrc/" + cpu_build.variant_source(name)],
+                    define_macros=cpu_build.variant_defines(name),
                     extra_compile_args={"cxx": cxx + flags},
                     extra_link_args=link,
                     include_dirs=[os.path.join(ROOT, "csrc")],

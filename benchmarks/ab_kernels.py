@@ -1,14 +1,16 @@
-"""Interleaved A/B of the AVX2 CPU attention kernel at two or more source revisions.
+"""Interleaved A/B of a CPU attention kernel build at two or more source revisions.
 
-Builds the AVX2 kernel library (``csrc/cpu/variant_avx2.cpp``, with the flags of
-``kernel_phases.py``) from each revision's ``csrc/``, a git revision or ``.`` for the working
-tree, in a temporary directory, loads them all into one process and times decode calls round
-after round, switching kernels through the table the package uses for CPU dispatch. Every other
-round runs the kernels in reverse order: on a shared two-core machine the kernel timed first in
-a round measured 2-5% apart from the others whatever it was, and alternating cancels that.
+Builds the kernel library (AVX2, or ``--variant``: ``csrc/cpu/variant_<name>.cpp`` with the
+flags of ``paged_ops/_cpu_build.py``) from each revision's ``csrc/``, a git revision or ``.``
+for the working tree, in a temporary directory, loads them all into one process and times
+decode calls round after round, switching kernels through the table the package uses for CPU
+dispatch. Every other round runs the kernels in reverse order: on a shared two-core machine
+the kernel timed first in a round measured 2-5% apart from the others whatever it was, and
+alternating cancels that.
 
     python benchmarks/ab_kernels.py 29c3a84 .               # a revision against the work tree
     python benchmarks/ab_kernels.py HEAD~1 . --dtypes fp16,bf16 --shapes 8x2048,1x128
+    python benchmarks/ab_kernels.py HEAD~1 . --variant avx512_bf16 --block-size 128
 
 Prints, per dtype and shape, each kernel's median time per (block, kv head) on one thread, its
 GB/s (K and V read once) and its speed-up over the first revision.
@@ -51,17 +53,17 @@ def extract(rev, dest):
     return "git-" + tree[:16]
 
 
-def build(revs, build_dir, jobs):
-    """{rev: path of its AVX2 kernel library}, built once per distinct source tree."""
+def build(revs, build_dir, jobs, variant="avx2"):
+    """{rev: path of its kernel library}, built once per distinct source tree."""
     # Keyed on the build command too (kernel_phases.py and the torch install's flags).
-    flags_key = kp.script_digest().hexdigest()
+    flags_key = kp.script_digest(variant).hexdigest()
     todo = {}
     sos = {}
     for rev in revs:
         staging = tempfile.mkdtemp(dir=build_dir)
         key = extract(rev, staging)
         out = os.path.join(build_dir, f"{key}-{flags_key[:8]}")
-        so = os.path.join(out, "kernel_avx2.so")
+        so = os.path.join(out, f"kernel_{variant}.so")
         sos[rev] = so
         if os.path.exists(so) or out in todo:
             shutil.rmtree(staging)
@@ -73,8 +75,8 @@ def build(revs, build_dir, jobs):
     if todo:
         print(f"building {len(todo)} kernel(s) in {build_dir} ...", flush=True)
         with ThreadPoolExecutor(jobs) as ex:
-            list(ex.map(lambda item: kp.compile_variant(os.path.join(item[0], "csrc"), item[1]),
-                        todo.items()))
+            list(ex.map(lambda item: kp.compile_variant(os.path.join(item[0], "csrc"), item[1],
+                                                        variant=variant), todo.items()))
     return sos
 
 
@@ -85,6 +87,7 @@ def main(argv=None):
     p.add_argument("--shapes", default="8x2048,32x512", help="BATCHxCONTEXT,...")
     p.add_argument("--heads", default="32,8", help="query heads,kv heads")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--variant", default="avx2", choices=sorted(kp._cpu_build.VARIANTS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=12, help="rounds (medians reported)")
     p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "paged_ops_ab"))
@@ -94,7 +97,7 @@ def main(argv=None):
     kp.require_avx2("ab_kernels.py")
     torch.set_num_threads(args.threads)
     os.makedirs(args.build_dir, exist_ok=True)
-    sos = build(args.revs, args.build_dir, min(args.threads, len(args.revs)))
+    sos = build(args.revs, args.build_dir, min(args.threads, len(args.revs)), args.variant)
 
     libs = [kp.load_kernel_table(sos[rev]) for rev in args.revs]  # kept loaded for the run
     tables = [(rev, tab) for rev, (_, tab) in zip(args.revs, libs)]

@@ -1,8 +1,9 @@
 """Where the CPU decode kernel's time goes: arithmetic alone, and each phase of it.
 
-Builds instrumented copies of the AVX2 kernel (``csrc/cpu/attention_kernel.h``, edited as text in
-a temporary copy of ``csrc``; the installed package is not touched) and times them interleaved in
-one process, switching kernels through the same table the package uses for CPU dispatch:
+Builds instrumented copies of a kernel build (AVX2 unless ``--variant``; the kernel's
+``PAGED_OPS_PHASE_*`` compile-time switches, in a temporary directory; the installed package is
+not touched) and times them interleaved in one process, switching kernels through the same table
+the package uses for CPU dispatch:
 
 - ``kernel``: the kernel as built (memory and arithmetic);
 - ``arith``: every sequence reads only its first two blocks, alternately, so K and V come from
@@ -16,10 +17,7 @@ multiply-adds there, ``G * head_size * block_size / lanes`` vector FMAs, compare
 rate measured by a probe on as many threads as the benchmark uses (``--threads``).
 
     python benchmarks/kernel_phases.py                    # fp32, fp16, bf16, fp8; B=8 L=2048
-    python benchmarks/kernel_phases.py --dtypes bf16 --shape 32x512 --reps 15
-
-The edits are found by their text; when the kernel changes so that one no longer matches, this
-script stops and names it.
+    python benchmarks/kernel_phases.py --dtypes bf16 --shape 32x512 --reps 15 --block-size 128
 """
 
 from __future__ import annotations
@@ -41,31 +39,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import paged_ops
+from paged_ops import _cpu_build
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNEL = os.path.join("cpu", "attention_kernel.h")
-
-# (name, old text, new text): each old text must occur exactly once in the kernel.
-EDITS = [
-    ("arith: two blocks per sequence",
-     "const int64_t blk = table[(b + k) * P.bt_stride_col];",
-     "const int64_t blk = table[(PHASE_ARITH ? (b + k) % 2 : b + k) * P.bt_stride_col];"),
-    ("skip q.k",
-     "      if (XW == W) {\n        qk(",
-     "      if (!PHASE_QK) {\n      } else if (XW == W) {\n        qk("),
-    ("skip softmax",
-     "      S.alpha[hl * R + r] = softmax_step(",
-     "      if (PHASE_SM) S.alpha[hl * R + r] = softmax_step("),
-    ("skip p.v", "          w.pv(hl, nb,", "          if (PHASE_PV) w.pv(hl, nb,"),
-    # Without p.v the sums of p * v must still start at 0 (garbage could be denormal: slow).
-    ("zero the sums without p.v",
-     "    else if (it.b_first > it.b_last)",
-     "    else if (!PHASE_PV || it.b_first > it.b_last)"),
-]
-
 # name -> (PHASE_ARITH, PHASE_QK, PHASE_SM, PHASE_PV)
 VARIANTS = {
     "kernel": (0, 1, 1, 1),
@@ -99,14 +78,13 @@ extern "C" double fma_rate() {
 """
 
 
-def compile_flags():
+def compile_flags(variant="avx2"):
     from torch.utils import cpp_extension as ce
 
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     inc = [f"-I{p}" for p in ce.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return (["-std=c++20", "-O3", "-fvisibility=hidden", "-fopenmp", "-fPIC", "-shared",
-             "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2",
+    return ([*_cpu_build.COMMON_CFLAGS, "-O3", *_cpu_build.variant_cflags(variant),
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}"] + inc,
             [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"])
 
@@ -121,19 +99,20 @@ def tree_digest(path, h=None):
     return h
 
 
-def script_digest():
+def script_digest(variant="avx2"):
     """A sha256 of the build command: this script, and the flags it takes from the torch
-    install."""
-    cflags, ldflags = compile_flags()
+    install and paged_ops/_cpu_build.py."""
+    cflags, ldflags = compile_flags(variant)
     with open(__file__, "rb") as fh:
         return hashlib.sha256(fh.read() + " ".join(cflags + ldflags).encode())
 
 
-def compile_variant(tree, so, defines=()):
-    """Builds the AVX2 kernel library of the csrc tree `tree` into `so`."""
-    cflags, ldflags = compile_flags()
+def compile_variant(tree, so, defines=(), variant="avx2"):
+    """Builds the kernel library `variant` (avx2, avx512, avx512_bf16) of the csrc tree `tree`
+    into `so`."""
+    cflags, ldflags = compile_flags(variant)
     subprocess.run(["g++", *cflags, *defines, f"-I{tree}",
-                    os.path.join(tree, "cpu", "variant_avx2.cpp"), "-o", so, *ldflags],
+                    os.path.join(tree, _cpu_build.variant_source(variant)), "-o", so, *ldflags],
                    check=True)
 
 
@@ -149,10 +128,10 @@ def require_avx2(script):
         sys.exit(f"{script} needs an x86 CPU with AVX2")
 
 
-def build(build_dir, jobs):
-    """The instrumented variants (rebuilt only when csrc or this script changed)."""
+def build(build_dir, jobs, variant="avx2"):
+    """The instrumented builds (rebuilt only when csrc or this script changed)."""
     src = os.path.join(ROOT, "csrc")
-    out = os.path.join(build_dir, tree_digest(src, script_digest()).hexdigest()[:16])
+    out = os.path.join(build_dir, tree_digest(src, script_digest(variant)).hexdigest()[:16])
     sos = {name: os.path.join(out, f"{name}.so") for name in VARIANTS}
     probe = os.path.join(out, "fma_probe.so")
     if all(os.path.exists(p) for p in [*sos.values(), probe]):
@@ -161,22 +140,13 @@ def build(build_dir, jobs):
     tree = os.path.join(out, "csrc")
     shutil.rmtree(tree, ignore_errors=True)
     shutil.copytree(src, tree)
-    path = os.path.join(tree, KERNEL)
-    with open(path) as fh:
-        text = fh.read()
-    for name, old, new in EDITS:
-        n = text.count(old)
-        if n != 1:
-            sys.exit(f"kernel_phases.py: edit {name!r} matches {n} times in {KERNEL} (expected "
-                     f"once); update EDITS for the current kernel")
-        text = text.replace(old, new)
-    with open(path, "w") as fh:
-        fh.write(text)
 
     def compile_one(item):
         name, (a, qk, sm, pv) = item
-        compile_variant(tree, sos[name], [f"-DPHASE_ARITH={a}", f"-DPHASE_QK={qk}",
-                                          f"-DPHASE_SM={sm}", f"-DPHASE_PV={pv}"])
+        compile_variant(tree, sos[name], [f"-DPAGED_OPS_PHASE_ARITH={a}",
+                                          f"-DPAGED_OPS_PHASE_QK={qk}",
+                                          f"-DPAGED_OPS_PHASE_SM={sm}",
+                                          f"-DPAGED_OPS_PHASE_PV={pv}"], variant)
 
     print(f"building {len(VARIANTS)} variants in {out} ...", flush=True)
     with ThreadPoolExecutor(jobs) as ex:
@@ -246,6 +216,8 @@ def main(argv=None):
     p.add_argument("--shape", default="8x2048", help="BATCHxCONTEXT (context >= 2 blocks)")
     p.add_argument("--heads", default="32,8", help="query heads,kv heads")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--variant", default="avx2", choices=sorted(_cpu_build.VARIANTS))
     p.add_argument("--reps", type=int, default=9, help="interleaved rounds (medians reported)")
     p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "paged_ops_phases"))
     args = p.parse_args(argv)
@@ -253,11 +225,11 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     B, L = map(int, args.shape.split("x"))
     H, Hkv = map(int, args.heads.split(","))
-    D, bs = 128, 16
+    D, bs = 128, args.block_size
     if L < 2 * bs:
         sys.exit("--shape: the context must span at least two blocks")
 
-    sos, probe = build(args.build_dir, min(args.threads, len(VARIANTS)))
+    sos, probe = build(args.build_dir, min(args.threads, len(VARIANTS)), args.variant)
     libs = {name: load_kernel_table(so) for name, so in sos.items()}  # kept loaded
     tables = {name: tab for name, (_, tab) in libs.items()}
     fma = fma_rate_per_thread(probe, args.threads)
@@ -275,7 +247,8 @@ def main(argv=None):
                      args.reps)
 
     G = H // Hkv
-    fmas = G * D * bs / 8  # vector FMAs of q.k (and of p.v) per (block, kv head)
+    lanes = 16 if args.variant.startswith("avx512") else 8  # (the probe times 8-lane FMAs)
+    fmas = G * D * bs / lanes  # vector FMAs of q.k (and of p.v) per (block, kv head)
     ideal_ns = fmas / fma * 1e9
     print(f"B={B} L={L} {H}q/{Hkv}kv head_size {D} block_size {bs}: per (block, kv head) on one "
           f"thread; q.k and p.v each {fmas:.0f} vector FMAs = {ideal_ns:.0f} ns at the FMA rate")

@@ -54,7 +54,12 @@ def built_with_cuda() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("paged::attention", "CUDA")
 
 
-_VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16")
+_VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16")  # in order of instruction sets
+
+# The builds an AVX-512 CPU can run, fastest first as measured on one (docs/cpu_kernel_selection.md:
+# a Sapphire Rapids Xeon, every cache dtype and block size 8-256, interleaved A/B): the AVX2 build
+# is selected there until an AVX-512 build measures faster.
+_AVX512_PREFERENCE = ["avx2", "avx512_bf16", "avx512"]
 
 
 def cpu_kernel_variant() -> str:
@@ -77,9 +82,10 @@ def _has_avx512_bf16() -> bool:
 
 def supported_cpu_kernel_variants() -> list[str]:
     """CPU kernel variants this CPU can run (per ATen's capability detection, which honours
-    ``ATEN_CPU_CAPABILITY``) and that were built, best first; ``"default"`` is always last."""
+    ``ATEN_CPU_CAPABILITY``) and that were built, the fastest measured first (the one selected
+    at import); ``"default"`` is always last."""
     cap = torch.backends.cpu.get_cpu_capability().upper()
-    order = {"AVX512": ["avx512_bf16", "avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, [])
+    order = {"AVX512": list(_AVX512_PREFERENCE), "AVX2": ["avx2"]}.get(cap, [])
     if "avx512_bf16" in order and not _has_avx512_bf16():
         order.remove("avx512_bf16")
     built = [n for n in order if _variant_library(n)]
@@ -89,9 +95,10 @@ def supported_cpu_kernel_variants() -> list[str]:
 def set_cpu_kernel_variant(name: str) -> None:
     """Switch the CPU attention kernel to ``name`` (one of :func:`supported_cpu_kernel_variants`).
 
-    Meant for tests and benchmarks; at import the best supported variant is chosen (capped by
-    the environment variable ``PAGED_OPS_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16`` when
-    set).
+    Meant for tests and benchmarks; at import the fastest supported variant is chosen, or the
+    one the environment variable ``PAGED_OPS_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16``
+    names when set (a cap: where the CPU or the build lacks it, the highest supported instruction
+    set below it).
     """
     if name not in supported_cpu_kernel_variants():
         raise ValueError(f"CPU kernel variant {name!r} is not available here; "
@@ -114,9 +121,10 @@ def _select_cpu_kernels() -> None:
         if cap_env not in _VARIANT_NAMES:
             raise ValueError("PAGED_OPS_CPU_CAPABILITY must be one of "
                              f"{', '.join(_VARIANT_NAMES)}, got {cap_env!r}")
-        # A cap: the best supported variant at or below it.
+        # A cap: the highest supported instruction set at or below it.
         cap = _VARIANT_NAMES.index(cap_env)
-        variants = [v for v in variants if _VARIANT_NAMES.index(v) <= cap]
+        variants = sorted((v for v in variants if _VARIANT_NAMES.index(v) <= cap),
+                          key=_VARIANT_NAMES.index, reverse=True)
     set_cpu_kernel_variant(variants[0])
 
 

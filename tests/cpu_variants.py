@@ -29,13 +29,14 @@ import torch
 from torch.utils import cpp_extension
 
 import paged_ops
+from paged_ops import _cpu_build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 
 # lanes16_dot: lanes16 with the bf16 pair dot products of the avx512_bf16 build (kDotBF16), done
-# by the kernel's portable emulation of vdpbf16ps.
-LANES16 = {"lanes16": "", "lanes16_dot": "#define PAGED_OPS_DOT_BF16 1\n"}
+# by the kernel's portable emulation of vdpbf16ps. Their flags: paged_ops/_cpu_build.py.
+LANES16 = _cpu_build.EMULATED
 VARIANTS = paged_ops.supported_cpu_kernel_variants() + list(LANES16)
 
 _WIDTH_32 = """#define __at_align__ __attribute__((aligned(32)))
@@ -47,7 +48,7 @@ _WIDTH_32 = """#define __at_align__ __attribute__((aligned(32)))
 #define VECTOR_WIDTH 32"""
 
 _SOURCE = """#define CPU_CAPABILITY_NAME "{name}"
-{defines}#include "cpu/attention_kernel.h"
+#include "cpu/attention_kernel.h"
 static_assert(paged::cpu::W == 16, "the edited vec_base.h did not widen Vectorized<float>");
 extern "C" __attribute__((visibility("default"))) const paged::cpu::KernelTable*
 paged_ops_cpu_kernel_table() {{ return paged::cpu::kernel_table(); }}
@@ -56,14 +57,14 @@ paged_ops_cpu_kernel_table() {{ return paged::cpu::kernel_table(); }}
 _libs = []  # loaded libraries stay alive while their table may be in use
 
 
-def _command(shim, src, so):
+def _command(shim, src, so, name):
     includes = [f"-I{p}" for p in [shim, CSRC, *cpp_extension.include_paths()]]
     libdirs = [f"-L{p}" for p in cpp_extension.library_paths()]
     # CPU_CAPABILITY names ATen's inline vector namespace: LANES16 keeps these instantiations
     # apart from the 8-lane DEFAULT ones in _C and libtorch. No CPU_CAPABILITY_<X> macro: the
     # portable paths, as in the default build.
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # as torch was built (c10 symbols are used)
-    return ["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-fopenmp", "-fvisibility=hidden",
+    return ["g++", *_cpu_build.COMMON_CFLAGS, "-O1", *LANES16[name],
             "-DCPU_CAPABILITY=LANES16", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, src,
             "-o", so, *libdirs, "-lc10",
             "-ltorch_cpu", *[f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]]
@@ -83,9 +84,11 @@ def _lanes16_library(name):
         return None, f"{vec_base} no longer has the 32-byte width block the lanes16 build edits"
     digest = hashlib.sha256(text.encode() + name.encode())
     digest.update(torch.__version__.encode() + sysconfig.get_paths()["include"].encode())
-    # The build command and source (this file): a change to them must not reuse a stale build.
-    with open(__file__, "rb") as fh:
-        digest.update(fh.read())
+    # The build command and source (this file and the flags): a change to them must not reuse
+    # a stale build.
+    for path in (__file__, _cpu_build.__file__):
+        with open(path, "rb") as fh:
+            digest.update(fh.read())
     for folder in (CSRC, os.path.join(CSRC, "cpu")):
         for header in sorted(os.listdir(folder)):
             if header.endswith(".h"):
@@ -102,9 +105,9 @@ def _lanes16_library(name):
         fh.write(text.replace(_WIDTH_32, _WIDTH_32.replace("32", "64")))
     src = os.path.join(out, f"{name}.cpp")
     with open(src, "w") as fh:
-        fh.write(_SOURCE.format(name=name, defines=LANES16[name]))
+        fh.write(_SOURCE.format(name=name))
     tmp = so + f".{os.getpid()}.tmp"
-    res = subprocess.run(_command(shim, src, tmp), capture_output=True, text=True)
+    res = subprocess.run(_command(shim, src, tmp, name), capture_output=True, text=True)
     if res.returncode != 0:
         return None, RuntimeError(f"building the {name} kernel failed:\n{res.stderr[-4000:]}")
     os.replace(tmp, so)

@@ -52,6 +52,27 @@ def test_grid(device, dtype, head_size, block_size):
     assert (out[0] == 0).all()  # seq_len 0 -> zero row
 
 
+# The block sizes the checks accept and a server uses (the p.v fast path covers every multiple
+# of the vector width; groups of blocks are sized in tokens), on every build.
+BLOCK_SIZES = [8, 16, 32, 64, 128, 256]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("heads,head_size", [((8, 2), 128), ((16, 2), 80)])
+def test_every_block_size(dtype, block_size, heads, head_size):
+    # Lengths ending before, after and on block edges over several groups of blocks; 8 q / 2 kv
+    # is one tile of rows (V read in place), 16 q / 2 kv two (16-bit V converted once for both),
+    # head size 80 leaves shorter steps at the end of each V block.
+    bs = block_size
+    num_heads, num_kv_heads = heads
+    lens = [1, bs - 1, bs + 1, max(2 * bs, 160) + 3]  # 2-6 groups of blocks
+    pg = make_paged(lens, num_kv_heads, head_size, bs, dtype, seed=bs)
+    q = random_query(len(lens), num_heads, head_size, dtype, scale=2.0)
+    check(pg, q, dtype)
+    check(pg, q, dtype, sliding_window=bs + 5)  # a partly visible first block too
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (16, 2), (8, 1), (32, 1)])
 def test_gqa_mqa(dtype, heads):
@@ -71,7 +92,7 @@ def test_long_context(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 256])
 @pytest.mark.parametrize("shape", ["rising", "falling", "sawtooth"])
 def test_running_max_across_groups(dtype, block_size, shape):
     # Keys along the query's direction with logits rising (the running max grows on every

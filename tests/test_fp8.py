@@ -268,6 +268,19 @@ def test_attention_matches_reference(cache_dtype, q_dtype, heads, block_size):
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256])
+@pytest.mark.usefixtures("cpu_variant")
+def test_attention_every_block_size(cache_dtype, block_size):
+    # Several groups of blocks and partial ones at both ends (a window), bf16 queries.
+    bs = block_size
+    lens = [1, bs + 1, max(2 * bs, 160) + 3]
+    pg = make_paged_fp8(lens, 2, 128, bs, cache_dtype, seed=bs)
+    q = random_query(len(lens), 8, 128, torch.bfloat16, scale=2.0)
+    check_attention(pg, q)
+    check_attention(pg, q, sliding_window=bs + 5)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 @pytest.mark.usefixtures("cpu_variant")
 def test_attention_options_and_zero_length(cache_dtype):
     lens = [0, 9, 40, 100]

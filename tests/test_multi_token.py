@@ -67,7 +67,7 @@ MIXED_L = [37, 50, 100, 45]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("block_size", [1, 16, 32, 64, 256])
 def test_mixed_q_lens(dtype, block_size):
     pg, q, qsl = batch(MIXED_Q, MIXED_L, block_size=block_size, dtype=dtype, seed=block_size)
     check(pg, q, qsl)

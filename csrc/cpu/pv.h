@@ -1,0 +1,240 @@
+// p.v of the attention kernel: probabilities times the [head_size][block_size] V blocks of
+// a group, read in place from the cache (or from masked / fp32 copies of partial blocks).
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu/element_loads.h"
+#include "cpu/work_plan.h"
+
+namespace paged::cpu {
+inline namespace CPU_CAPABILITY {
+
+// The tile of p.v sums of pv_group, RT rows x DT consecutive d, into the running sums of its
+// rows: o[u * RT + r] = o[u * RT + r] * alpha[r] + (sum of the lanes of a[r][u]), or = the
+// lane sum on an item's first group (init: o may hold anything). o is tile-major ([D][RT]
+// for the tile's rows), so the DT * RT sums of a step are contiguous; finish turns the tiles
+// back into rows (rows_from_tiles).
+template <int RT, int DT>
+inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, bool init) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (RT == 4) {
+    static_assert(DT >= 1 && DT <= 3);
+    if constexpr (DT >= 2) {  // 8 sums [r0..r3 of d, r0..r3 of d + 1]
+      const VecF r[8] = {a[0][0], a[1][0], a[2][0], a[3][0], a[0][1], a[1][1], a[2][1], a[3][1]};
+      const __m256 sum = reduce_rows(r);
+      const __m128 al = _mm_loadu_ps(alpha);
+      _mm256_storeu_ps(o, init ? sum
+                               : _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set_m128(al, al), sum));
+    }
+    if constexpr (DT != 2) {  // 4 sums [r0..r3 of the last d]
+      constexpr int u = DT - 1;
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0][u], a[1][u]),
+                                      _mm256_hadd_ps(a[2][u], a[3][u]));
+      const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      float* ou = o + u * 4;
+      _mm_storeu_ps(ou, init ? sum : _mm_fmadd_ps(_mm_loadu_ps(ou), _mm_loadu_ps(alpha), sum));
+    }
+    return;
+  }
+  if constexpr (RT == 1 && DT >= 2) {  // one hadd tree for the DT <= 3 vectors of the row
+    static_assert(DT <= 3);
+    const __m256 t01 = _mm256_hadd_ps(a[0][0], a[0][1]);
+    const __m256 t2 = DT == 3 ? _mm256_hadd_ps(a[0][DT - 1], a[0][DT - 1]) : t01;
+    const __m256 h = _mm256_hadd_ps(t01, t2);  // [s0 s1 s2 s2 | s0 s1 s2 s2] (low / high lanes)
+    float sum[4];
+    _mm_storeu_ps(sum, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    for (int u = 0; u < DT; ++u) o[u] = init ? sum[u] : o[u] * alpha[0] + sum[u];
+    return;
+  }
+#endif
+  for (int u = 0; u < DT; ++u)
+    for (int r = 0; r < RT; ++r) {
+      const float sum = hsum(a[r][u]);
+      o[u * RT + r] = init ? sum : o[u * RT + r] * alpha[r] + sum;
+    }
+}
+
+// p . v of a group of blocks for a tile of RT query rows: the [D][bs] V blocks (bs == NV * W)
+// are read in steps of DT rows d; each lane of an accumulator a[r][u] sums p[r][t] * v[d + u][t]
+// over the offsets t = lane (mod W) of every block of the group, in registers (one V row load
+// and conversion feeds the RT rows of the tile; the probabilities p[r][k * block_row + t] are
+// loaded once per step and row). Where to then:
+// - 8 lanes (AVX2, portable): the lanes are summed once per group into the rows' running sums
+//   o (tile_sums, which also applies the softmax rescale alpha). The running sums are D floats
+//   per row; per-lane accumulators kept across groups were D * W, and their loads and stores
+//   from L2 cost p.v 12% (a microbenchmark with 8 kv heads). The AVX2 kernel gained 3-7%
+//   (fp32, fp16, bf16; fp8 1-4% slower) at block size 16, 3-11% at 8 and 10-28% at 32.
+// - 16 lanes (kLaneAcc): the accumulators are kept across groups in acc (W lanes per d,
+//   rescaled by softmax_step) and summed into o only on the item's last group (last; an item
+//   of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only; with 16
+//   it would sum each accumulator on its own, 8 per 32 FMAs at block size 16, and there is
+//   no AVX-512 CPU here to measure either on, so the 16-lane builds keep what they had.
+// next[k]: the blocks to prefetch. init: an item's first group (o and acc are written, not
+// read). NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb.
+// NV = 4: any multiple of 4 vectors per V row (nv_in of them, block sizes 4 W and up), in
+// steps of 4.
+constexpr bool kLaneAcc = W == 16;
+#ifndef PAGED_OPS_PV_DT_WIDE
+#define PAGED_OPS_PV_DT_WIDE 2
+#endif
+template <int NV, int RT, int NB, typename VT, typename NT>
+inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, const float* p,
+                     int64_t p_stride, float* o, const float* alpha, float* acc,
+                     int64_t acc_stride, int64_t D, const NT* const* next_in, int64_t vrow_bytes,
+                     bool init, bool last) {
+  const int64_t nv = NV == 4 ? nv_in : NV;
+  const int64_t BPv = nv * W;
+  constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
+  const int64_t nb = NB > 0 ? NB : nb_in;
+  const VT* src[NBA];
+  const NT* next[NBA];
+  for (int64_t k = 0; k < nb; ++k) {
+    src[k] = src_in[k];
+    next[k] = next_in[k];
+  }
+  // DT V rows per step share each probability load (one load feeds DT FMAs). RT * DT
+  // accumulators: each takes NV * nb dependent FMAs per step, so 8 (RT = 4, DT = 2) just
+  // cover the FMA latency x throughput and stall on any delay; 12 measured 5-10% faster for
+  // 16-bit caches (fp32: same). The V vectors are loaded per half i (3 + 12 + 1 registers).
+  constexpr int DT = NV == 2 ? 3 : NV == 1 ? 2 : PAGED_OPS_PV_DT_WIDE;
+  auto step = [&](int64_t d, auto dt_c) {
+    constexpr int DTc = decltype(dt_c)::value;
+    VecF a[RT][DTc];
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DTc; ++u)
+        a[r][u] = !kLaneAcc || init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d + u) * W);
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < nb; ++k) {
+      // The same rows of the next block: each row (short rows, at most a line), or each
+      // line of the rows.
+      const char* pf = reinterpret_cast<const char*>(next[k]) + d * vrow_bytes;
+      if (vrow_bytes <= 64) {
+        for (int u = 0; u < DTc; ++u) prefetch_l2(pf + u * vrow_bytes);
+      } else {
+        for (int64_t b = 0; b < DTc * vrow_bytes; b += 64) prefetch_l2(pf + b);
+      }
+      for (int64_t i0 = 0; i0 < nv; i0 += NV) {
+        for (int i = static_cast<int>(i0); i < i0 + NV; ++i) {
+          VecF v[DTc];
+          for (int u = 0; u < DTc; ++u) {
+            const VT* row = src[k] + (d + u) * BPv;
+            if constexpr (NV == 2 && kSplitPairs<VT>) {
+              v[u] = load_bf16_half(row, i);  // p split to match
+            } else {
+              v[u] = load_f32(row + i * W);
+            }
+          }
+          for (int r = 0; r < RT; ++r) {
+            const VecF pv = in_register(VecF::loadu(p + r * p_stride + k * BPv + i * W));
+            for (int u = 0; u < DTc; ++u) a[r][u] = at::vec::fmadd(v[u], pv, a[r][u]);
+          }
+        }
+      }
+    }
+    if (!kLaneAcc || last) {
+      tile_sums<RT, DTc>(a, o + d * RT, alpha, kLaneAcc || init);
+      return;
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DTc; ++u) a[r][u].store(acc + r * acc_stride + (d + u) * W);
+  };
+  int64_t d = 0;
+  for (; d + DT <= D; d += DT) step(d, std::integral_constant<int, DT>{});
+  if constexpr (DT == 3) {  // head size 128 leaves 2 rows: one step of 2, not 2 of 1
+    if (d + 2 <= D) {
+      step(d, std::integral_constant<int, 2>{});
+      d += 2;
+    }
+  }
+  for (; d < D; ++d) step(d, std::integral_constant<int, 1>{});
+}
+
+// Rows [0, R) of o (row-major, D each) from the running sums ot of pv_group: tiles of 4 rows
+// ([D][4]), then single rows.
+inline void rows_from_tiles(const float* ot, int64_t R, int64_t D, float* o) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4, ot += 4 * D)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < 4; ++i) o[(r + i) * D + d] = ot[d * 4 + i];
+  std::copy(ot, ot + (R - r) * D, o + r * D);
+}
+
+// Any block size: a [D][bs] fp32 V block, one row at a time, vectors over t (zero-filled tail).
+inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D, int64_t bs) {
+  for (int64_t d = 0; d < D; ++d) {
+    const float* row = vblk + d * bs;
+    VecF a = VecF::loadu(acc + d * W);
+    for (int64_t t = 0; t < bs; t += W) {
+      const int64_t cnt = std::min<int64_t>(W, bs - t);
+      a = at::vec::fmadd(VecF::loadu(row + t, cnt), VecF::loadu(pg + t), a);
+    }
+    a.store(acc + d * W);
+  }
+}
+
+// out[d] = sum of the W lanes of acc[d].
+inline void reduce_acc(const float* acc, float* out, int64_t D) {
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    VecF r[W];
+    for (int64_t k = 0; k < W; ++k) r[k] = VecF::loadu(acc + (d + k) * W);
+    reduce_rows(r).store(out + d);
+  }
+  for (; d < D; ++d) out[d] = hsum(VecF::loadu(acc + d * W));
+}
+
+// Copy a [D][bs] V block in its own type with the columns outside [t0, t1) zeroed (all-zero
+// bits are +0 in every cache type), so that p.v reads it like a block of the cache: only the
+// partly visible blocks of a group (the last one, the first under a sliding window) are copied.
+template <typename T>
+inline const T* v_block_masked(const T* vblk, T* dst, int64_t D, int64_t bs, int64_t t0,
+                               int64_t t1) {
+  for (int64_t d = 0; d < D; ++d, vblk += bs, dst += bs) {
+    std::memset(static_cast<void*>(dst), 0, t0 * sizeof(T));
+    std::memcpy(static_cast<void*>(dst + t0), vblk + t0, (t1 - t0) * sizeof(T));
+    std::memset(static_cast<void*>(dst + t1), 0, (bs - t1) * sizeof(T));
+  }
+  return dst - D * bs;
+}
+
+// out[0, n) = src * s in the output type (vectorised conversion: same rounding as the scalar
+// one, to nearest even).
+template <typename QT>
+inline void store_scaled(const float* src, float s, QT* out, int64_t n) {
+  const VecF vs(s);
+  int64_t d = 0;
+  if constexpr (std::is_same_v<QT, float>) {
+    for (; d + W <= n; d += W) (VecF::loadu(src + d) * vs).store(out + d);
+  } else {
+    for (; d + 2 * W <= n; d += 2 * W)
+      at::vec::convert_from_float<QT>(VecF::loadu(src + d) * vs, VecF::loadu(src + d + W) * vs)
+          .store(out + d);
+  }
+  for (; d < n; ++d) out[d] = static_cast<QT>(src[d] * s);
+}
+
+// Convert (16-bit / fp8 caches) or copy a [D][bs] V block to fp32, zeroing columns outside
+// [t0, t1): their probability is 0 for every row, but 0 * NaN would still be NaN.
+template <typename T>
+inline void v_block_to_f32(const T* vblk, float* dst, int64_t D, int64_t bs, int64_t t0,
+                           int64_t t1) {
+  const int64_t n = D * bs;
+  int64_t j = 0;
+  for (; j + W <= n; j += W) load_f32(vblk + j).store(dst + j);
+  for (; j < n; ++j) dst[j] = to_f32(vblk[j]);
+  if (t0 > 0 || t1 < bs) {
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t t = 0; t < t0; ++t) dst[d * bs + t] = 0.f;
+      for (int64_t t = t1; t < bs; ++t) dst[d * bs + t] = 0.f;
+    }
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace paged::cpu

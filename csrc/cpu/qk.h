@@ -1,0 +1,232 @@
+// q.k of the attention kernel: the logits of a tile of query rows against one key block,
+// read in place from the cache's [head_size / x][block_size][x] layout.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+#include "cpu/element_loads.h"
+
+namespace paged::cpu {
+inline namespace CPU_CAPABILITY {
+
+// One q.k step over every chunk of a key block, for TOK units of H vectors each starting at
+// element `in` of the chunk; unit t pairs with the q chunk (H vectors, q repeated to H * W
+// lanes) and accumulates into raw[g][out + t * W ...]. Each q vector is loaded once per chunk
+// for all TOK units (kept in a register, not folded into every FMA: loads bound the loop).
+//   H = 1 (x <= W, q repeated): units are K vectors, several tokens' chunks each when x < W.
+//   H = 2 (q repeated to 2 W lanes): units of 2 W elements whose two halves fold into one
+//     accumulator. fp8 on AVX2 (x = 2 W): a unit is one token's chunk, raw holds W lanes per
+//     token. bf16 on AVX2 read in pairs (load_bf16_pairs): a unit is two tokens' chunks split
+//     into even and odd elements, raw holds W / 2 lanes per token.
+template <int G_T, int TOK, int H, typename T>
+inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                    int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf, int64_t in,
+                    int64_t out) {
+  VecF a[G_T][TOK];
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t off = c * chunk_elems + in;
+    pf.step();
+    VecF k[TOK][H];
+    for (int t = 0; t < TOK; ++t) {
+      if constexpr (H == 2) {
+        if constexpr (kSplitPairs<T>) {
+          load_bf16_pairs(kblk + off + t * 2 * W, k[t][0], k[t][1]);  // q split to match
+        } else {
+          load2_f32(kblk + off + t * 2 * W, k[t][0], k[t][1]);
+        }
+      } else {
+        k[t][0] = load_f32(kblk + off + t * W);
+      }
+    }
+    for (int g = 0; g < G_T; ++g) {
+      for (int h = 0; h < H; ++h) {
+        const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * H * W + h * W));
+        for (int t = 0; t < TOK; ++t) a[g][t] = at::vec::fmadd(k[t][h], q, a[g][t]);
+      }
+    }
+  }
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + out + t * W);
+}
+
+// raw[g][j] = sum_c qrep[g][c][j % q_repeat] * kblk[c][j] for the G_T rows of a tile, where
+// kblk[c] is the [bs][x] chunk c of a key block (flat index j = t * x + i) and qrep[g][c] holds
+// q chunk c repeated to q_repeat = max(x, W) lanes, so the q vector at offset j % q_repeat lines
+// up with the K vector at j. q_repeat == 2 W (fp8, or bf16 read in pairs, on AVX2): the two
+// halves fold into
+// W lanes per unit instead (qk_step, H = 2). Every chunk iteration steps the prefetch cursor
+// once: qk_tile_iterations counts them and must follow any change to these loops.
+template <int G_T, bool ONE_Q, typename T>
+inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                    int64_t chunk_elems, int64_t raw_stride, int64_t q_repeat, PrefetchCursor& pf) {
+  // ONE_Q: q_repeat == W, so every K vector of a chunk pairs with the same q vector.
+  if (!ONE_Q && q_repeat == 2 * W) {  // two units per step, each q half loaded once for both
+    const int64_t units = chunk_elems / q_repeat;  // of 2 W elements: see qk_step, H = 2
+    int64_t t = 0;
+    for (; t + 2 <= units; t += 2)
+      qk_step<G_T, 2, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, t * q_repeat,
+                         t * W);
+    for (; t < units; ++t)
+      qk_step<G_T, 1, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, t * q_repeat,
+                         t * W);
+    return;
+  }
+  int64_t j = 0;
+  if constexpr (ONE_Q) {
+    // Three K vectors per step: 3 K loads + G_T q loads feed 3 G_T FMAs (the two-vector step
+    // below needs 2 G_T q loads for 2 G_T FMAs, and runs out of load slots first).
+    for (; j + 3 * W <= chunk_elems; j += 3 * W)
+      qk_step<G_T, 3, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, j, j);
+  }
+  // Two K vectors per step: 2 loads + G_T (or 2 G_T) q loads feed 2 G_T FMAs.
+  for (; j + 2 * W <= chunk_elems; j += 2 * W) {
+    const int64_t o0 = j % q_repeat, o1 = (j + W) % q_repeat;
+    VecF a[G_T], b[G_T];
+    for (int g = 0; g < G_T; ++g) a[g] = b[g] = VecF(0.f);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      pf.step();
+      const VecF k0 = load_f32(kblk + c * chunk_elems + j);
+      const VecF k1 = load_f32(kblk + c * chunk_elems + j + W);
+      for (int g = 0; g < G_T; ++g) {
+        const float* q = qrep + (g * num_chunks + c) * q_repeat;
+        const VecF q0 = VecF::loadu(q + (ONE_Q ? 0 : o0));
+        a[g] = at::vec::fmadd(k0, q0, a[g]);
+        b[g] = at::vec::fmadd(k1, ONE_Q ? q0 : VecF::loadu(q + o1), b[g]);
+      }
+    }
+    for (int g = 0; g < G_T; ++g) {
+      a[g].store(raw + g * raw_stride + j);
+      b[g].store(raw + g * raw_stride + j + W);
+    }
+  }
+  for (; j < chunk_elems; j += W) {
+    const int64_t cnt = std::min<int64_t>(W, chunk_elems - j);
+    const int64_t o0 = j % q_repeat;
+    VecF a[G_T];
+    for (int g = 0; g < G_T; ++g) a[g] = VecF(0.f);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      pf.step();
+      const VecF k = load_f32(kblk + c * chunk_elems + j, cnt);
+      for (int g = 0; g < G_T; ++g) {
+        a[g] = at::vec::fmadd(k, VecF::loadu(qrep + (g * num_chunks + c) * q_repeat + o0), a[g]);
+      }
+    }
+    for (int g = 0; g < G_T; ++g) a[g].store(raw + g * raw_stride + j);
+  }
+}
+
+// Chunk iterations of one qk_tile call (one PrefetchCursor::step() each), mirroring its loops.
+inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64_t q_repeat) {
+  int64_t steps = 0;
+  if (q_repeat == 2 * W) {
+    const int64_t units = chunk_elems / q_repeat;
+    steps = units / 2 + units % 2;
+  } else {
+    const int64_t three = q_repeat == W ? chunk_elems / (3 * W) : 0;
+    const int64_t two = (chunk_elems - three * 3 * W) / (2 * W);
+    steps = three + two + (chunk_elems - three * 3 * W - two * 2 * W + W - 1) / W;
+  }
+  return steps * num_chunks;
+}
+
+// q.k by bf16 pair dot products (Layout::dot_bf16): a unit is 2 W bf16 elements of a chunk
+// (2 W / x tokens' chunks), qrep[g][c] the q chunk's x bf16 values repeated to 2 W (in W float
+// slots), and raw gets W lanes per unit, x / 2 pair sums per token. TOK units per step share
+// each q load.
+template <int G_T, int TOK>
+inline void qk_dot_step(const c10::BFloat16* kblk, const float* qrep, float* raw,
+                        int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
+                        PrefetchCursor& pf, int64_t unit0) {
+  VecF a[G_T][TOK];
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    pf.step();
+    BF16Pairs k[TOK];
+    for (int t = 0; t < TOK; ++t) k[t] = load_pairs(kblk + c * chunk_elems + (unit0 + t) * 2 * W);
+    for (int g = 0; g < G_T; ++g) {
+      const BF16Pairs q = load_pairs(qrep + (g * num_chunks + c) * W);
+      for (int t = 0; t < TOK; ++t) a[g][t] = dot_pairs(a[g][t], k[t], q);
+    }
+  }
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (unit0 + t) * W);
+}
+
+// Steps of 4, 2 and 1 units: 4 G_T + 4 + 1 vectors live at once (21 of AVX-512's 32 registers
+// for a tile of 4 rows). Every chunk iteration steps the prefetch cursor once, as in qk_tile;
+// qk_dot_iterations counts them.
+template <int G_T>
+inline void qk_tile_dot(const c10::BFloat16* kblk, const float* qrep, float* raw,
+                        int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
+                        PrefetchCursor& pf) {
+  const int64_t units = chunk_elems / (2 * W);
+  int64_t u = 0;
+  for (; u + 4 <= units; u += 4)
+    qk_dot_step<G_T, 4>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+  for (; u + 2 <= units; u += 2)
+    qk_dot_step<G_T, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+  for (; u < units; ++u)
+    qk_dot_step<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+}
+
+inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {
+  const int64_t units = chunk_elems / (2 * W);
+  return (units / 4 + units % 4 / 2 + units % 2) * num_chunks;
+}
+
+// z[t] = sum_i raw[t * X + i] for t < ntok. With X a constant the compiler vectorizes it with
+// permutes (checked in the AVX-512 build's code, where nothing below is written by hand).
+template <int X>
+inline void sum_lanes(const float* __restrict raw, int64_t ntok, float* __restrict z) {
+  for (int64_t t = 0; t < ntok; ++t) {
+    float v = 0.f;
+    for (int i = 0; i < X; ++i) v += raw[t * X + i];
+    z[t] = v;
+  }
+}
+
+// z[t] = sum_i raw[t * x + i] for t < ntok: the per-token q.k dot products.
+inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z) {
+  int64_t t = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if (x == 16) {  // two vectors per token (fp8)
+    for (; t + 8 <= ntok; t += 8) {
+      VecF r[8];
+      for (int k = 0; k < 8; ++k)
+        r[k] = VecF::loadu(raw + (t + k) * 16) + VecF::loadu(raw + (t + k) * 16 + 8);
+      reduce_rows(r).store(z + t);
+    }
+  } else if (x == 8) {  // one token per vector
+    for (; t + 8 <= ntok; t += 8) {
+      VecF r[8];
+      for (int k = 0; k < 8; ++k) r[k] = VecF::loadu(raw + (t + k) * 8);
+      reduce_rows(r).store(z + t);
+    }
+  } else if (x == 4) {  // two tokens per vector
+    for (; t + 8 <= ntok; t += 8) {
+      const float* b = raw + t * 4;
+      const __m256 h0 = _mm256_hadd_ps(VecF::loadu(b), VecF::loadu(b + 8));
+      const __m256 h1 = _mm256_hadd_ps(VecF::loadu(b + 16), VecF::loadu(b + 24));
+      const __m256 s = _mm256_hadd_ps(h0, h1);  // tokens [0, 2, 4, 6 | 1, 3, 5, 7]
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      _mm256_storeu_ps(z + t, _mm256_permutevar8x32_ps(s, order));
+    }
+  }
+#endif
+  // x is Layout::x_sum: x = 16 / sizeof(cache element) or half of it, so 4, 8 or 16.
+  switch (x) {
+    case 4: return sum_lanes<4>(raw + t * x, ntok - t, z + t);
+    case 8: return sum_lanes<8>(raw + t * x, ntok - t, z + t);
+    case 16: return sum_lanes<16>(raw + t * x, ntok - t, z + t);
+    default: TORCH_INTERNAL_ASSERT(false, "sum_lane_groups: ", x, " lanes per token");
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace paged::cpu

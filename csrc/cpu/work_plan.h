@@ -1,0 +1,178 @@
+// How a call of the CPU attention kernel is cut into work items (make_plan) and what an item
+// covers (item_info). Plain C++ on the kernel's parameters (kernels.h): no torch, no vectors.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu/kernels.h"
+
+namespace paged::cpu {
+inline namespace CPU_CAPABILITY {
+
+// Blocks per softmax step (see the block loop of attention_impl): at most kGroup, and about
+// kGroupTokens tokens, so that a group's K and V and the next group's, prefetched meanwhile,
+// stay well inside L2 whatever the block size.
+constexpr int64_t kGroup = 4;
+#ifndef PAGED_OPS_GROUP_TOKENS
+#define PAGED_OPS_GROUP_TOKENS 128
+#endif
+constexpr int64_t kGroupTokens = PAGED_OPS_GROUP_TOKENS;
+
+template <typename T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// Per-call buffers shared by the threads of a call, owned by the calling thread and reused from
+// call to call (grow-only): a call allocates nothing once the shapes have been seen. (Split-K
+// states reach MiBs on many-core machines, where malloc hands them out with mmap: fresh pages,
+// faulted in on every call.)
+struct CallScratch {
+  std::vector<int64_t> chunk_start;  // Plan::chunk_start
+  std::vector<float> part_ml, part_o;  // split-K partial states (attention_impl)
+};
+
+inline CallScratch& call_scratch() {
+  static thread_local CallScratch s;
+  return s;
+}
+
+// First position visible to a query row at position Ppos (sliding window; else 0).
+inline int64_t first_visible(const AttentionParams& P, int64_t Ppos) {
+  return P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
+}
+
+// How the work is cut: items enumerate (sequence, kv heads, token chunk, split).
+struct Plan {
+  int64_t tokens_per_chunk;  // query tokens per item (1 for decode)
+  int64_t heads_per_item;    // kv heads per item (decode; 1 for multi-token)
+  int64_t head_chunks;       // items per sequence and split: num_kv_heads / heads_per_item,
+                             // rounded up (the last chunk may have fewer heads)
+  int64_t splits;            // block-range splits per sequence (decode only)
+  const int64_t* chunk_start;  // multi-token: prefix sums of chunks per sequence (in
+                               // call_scratch(), num_seqs + 1 of them)
+  int64_t num_items;
+  int64_t grain;             // items per parallel task
+};
+
+inline Plan make_plan(const AttentionParams& P) {
+  const int64_t G = P.num_heads / P.num_kv_heads;
+  const int64_t bs = P.block_size;
+  const bool multi = P.query_start_loc != nullptr;
+  // One pass over the sequences: the longest one (for the split) and the block x row visits
+  // of the whole call (for the grain below).
+  int64_t max_len = 0, total_cost = 0;
+  for (int64_t s = 0; s < P.num_seqs; ++s) {
+    const int64_t len = P.seq_lens[s * P.sl_stride];
+    const int64_t rows = multi ? (P.query_start_loc[s + 1] - P.query_start_loc[s]) * G : G;
+    max_len = std::max(max_len, len);
+    total_cost += (len + bs - 1) / bs * rows * P.num_kv_heads;
+  }
+
+  Plan plan;
+  plan.chunk_start = nullptr;
+  plan.splits = 1;
+  plan.heads_per_item = 1;
+  plan.head_chunks = P.num_kv_heads;
+  if (multi) {
+    // Chunks of query tokens: about 64 query rows per item keeps the scratch in L2 and gives
+    // long prompts parallelism.
+    plan.tokens_per_chunk = std::max<int64_t>(1, 64 / G);
+    std::vector<int64_t>& starts = call_scratch().chunk_start;
+    grow(starts, P.num_seqs + 1);
+    starts[0] = 0;
+    for (int64_t s = 0; s < P.num_seqs; ++s) {
+      const int64_t q_len = P.query_start_loc[s + 1] - P.query_start_loc[s];
+      starts[s + 1] = starts[s] + (q_len + plan.tokens_per_chunk - 1) / plan.tokens_per_chunk;
+    }
+    plan.chunk_start = starts.data();
+    plan.num_items = starts[P.num_seqs] * P.num_kv_heads;
+  } else {
+    plan.tokens_per_chunk = 1;
+    // An item reads every kv head of its blocks: a block's heads are contiguous in the cache,
+    // and scattered runs are read much faster when long (benchmarks/scattered_read.cpp, 2
+    // cores: 19-26 GB/s for the 4-8 KiB of one head, 29-31 for 32-64 KiB). Too few items
+    // for the threads (2 per thread): split the block range of each sequence first (keeping
+    // at least 8 blocks per split so the merge stays negligible), then its kv heads.
+    plan.heads_per_item = P.num_kv_heads;
+    plan.head_chunks = 1;
+    const int64_t want_items = 2 * P.num_threads;
+    if (P.num_threads > 1 && P.num_seqs < want_items) {
+      const int64_t max_blocks = (max_len + bs - 1) / bs;
+      const int64_t want = (want_items + P.num_seqs - 1) / std::max<int64_t>(P.num_seqs, 1);
+      plan.splits = std::max<int64_t>(1, std::min<int64_t>(want, max_blocks / 8));
+      while (P.num_seqs * plan.head_chunks * plan.splits < want_items && plan.heads_per_item > 1) {
+        plan.heads_per_item = (plan.heads_per_item + 1) / 2;
+        plan.head_chunks = (P.num_kv_heads + plan.heads_per_item - 1) / plan.heads_per_item;
+      }
+    }
+    plan.num_items = P.num_seqs * plan.head_chunks * plan.splits;
+  }
+  // Fork threads only for enough work: each task covers at least kMinTaskCost block x row
+  // visits (~2 us), and a call forks only when the whole team (at::parallel_for wakes every
+  // thread) has that much each on average. Measured on 2 cores, hot or with the threads
+  // asleep (3 ms between calls), even one block per kv head ran faster on both threads:
+  // B=1, L=16 21 -> 14 us (asleep 37 -> 28), L=128 60 -> 35 us. (512 per task before: calls
+  // up to 16 blocks x 8 kv heads ran alone.)
+  constexpr int64_t kMinTaskCost = 16;
+  plan.grain =
+      total_cost < kMinTaskCost * std::max<int64_t>(P.num_threads, 1)
+          ? std::max<int64_t>(plan.num_items, 1)
+          : std::max<int64_t>(1, (kMinTaskCost * plan.num_items + total_cost - 1) / total_cost);
+  return plan;
+}
+
+// What a work item covers: its sequence, kv heads [kvh, kvh + nh), split, query tokens
+// [j0, j1) of the sequence's q_len (rows from row0), and the block range [b_first, b_last]
+// visible to some row (lo_min: first visible position, P_max: last; L: the sequence length).
+struct ItemInfo {
+  int64_t s, kvh, nh, split, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
+};
+
+inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t item) {
+  const int64_t bs = P.block_size;
+  ItemInfo it{};
+  it.j0 = 0;
+  it.j1 = 1;
+  it.q_len = 1;
+  it.nh = 1;
+  it.split = 0;
+  if (P.query_start_loc != nullptr) {
+    const int64_t c = item / P.num_kv_heads;
+    it.kvh = item % P.num_kv_heads;
+    it.s = std::upper_bound(plan.chunk_start, plan.chunk_start + P.num_seqs + 1, c) -
+           plan.chunk_start - 1;
+    it.q_len = P.query_start_loc[it.s + 1] - P.query_start_loc[it.s];
+    it.j0 = (c - plan.chunk_start[it.s]) * plan.tokens_per_chunk;
+    it.j1 = std::min(it.q_len, it.j0 + plan.tokens_per_chunk);
+    it.row0 = P.query_start_loc[it.s];
+  } else {
+    it.split = item % plan.splits;
+    it.kvh = (item / plan.splits) % plan.head_chunks * plan.heads_per_item;
+    it.nh = std::min(plan.heads_per_item, P.num_kv_heads - it.kvh);
+    it.s = item / (plan.splits * plan.head_chunks);
+    it.row0 = it.s;
+  }
+  it.L = P.seq_lens[it.s * P.sl_stride];
+  // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = L - q_len + j: both bounds grow
+  // with j.
+  it.lo_min = first_visible(P, it.L - it.q_len + it.j0);
+  it.P_max = it.L - it.q_len + it.j1 - 1;
+  it.b_first = it.L > 0 ? it.lo_min / bs : 0;
+  it.b_last = it.L > 0 ? it.P_max / bs : -1;
+  if (plan.splits > 1) {
+    const int64_t nblk = it.b_last - it.b_first + 1;
+    const int64_t per = (nblk + plan.splits - 1) / plan.splits;
+    const int64_t a = it.b_first + it.split * per;
+    it.b_last = std::min(it.b_last, a + per - 1);
+    it.b_first = a;
+  }
+  return it;
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace paged::cpu
