@@ -4,6 +4,7 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.14.1
 HF_SPEC     ?= transformers==4.57.*
+ACCEL_SPEC  ?= accelerate==1.15.*
 export CUDA_HOME ?= /usr/local/cuda
 export MAX_JOBS ?= 2
 export PAGED_OPS_BUILD_CUDA ?= auto
@@ -19,7 +20,7 @@ endif
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel ninja
-	$(PIP) install -q "$(TORCH_SPEC)" numpy pytest hypothesis expecttest "$(HF_SPEC)" matplotlib
+	$(PIP) install -q "$(TORCH_SPEC)" numpy pytest hypothesis expecttest "$(HF_SPEC)" "$(ACCEL_SPEC)" matplotlib
 	touch $@
 
 venv: $(VENV)/.deps

@@ -1,4 +1,4 @@
-// Input checks shared by the CPU and CUDA backends (DESIGN.md §4).
+// Input checks shared by the CPU and CUDA backends (docs/design.md, section 4).
 //
 // Every op validates all of its arguments here before touching memory, so a failed call leaves
 // every cache unchanged. Messages name the argument and what was expected. Checks that need to
@@ -34,8 +34,8 @@ struct CacheDims {
   int64_t x;
 };
 
-// Layout (§2) and consistency of one key/value cache pair: ranks, dtypes, x, dense inner dims,
-// matching dims between the two, same device. any_dtype: accept every dtype (x is still
+// Layout (docs/design.md, section 2) and consistency of one key/value cache pair: ranks,
+// dtypes, x, dense inner dims, matching dims between the two, same device. any_dtype: accept every dtype (x is still
 // 16 // element_size), for ops that only move bytes.
 CacheDims check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const char* key_name = "key_cache",

@@ -112,7 +112,7 @@ FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 def fp8_quantize(t, scale, dtype):
     """round(t / scale) in fp8 `dtype`, saturated to its largest finite value (the contract of
-    DESIGN.md §3, written here independently of the ops and of the reference)."""
+    docs/design.md, section 3, written here independently of the ops and of the reference)."""
     fmax = torch.finfo(dtype).max
     return (t.float() / scale).clamp(-fmax, fmax).to(dtype)
 

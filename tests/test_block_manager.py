@@ -1,4 +1,4 @@
-"""Unit tests of paged_ops.BlockManager: the worked examples of seed 000 and the API contract."""
+"""Unit tests of paged_ops.BlockManager: worked examples (docs/concepts.md) and the API contract."""
 
 import math
 
@@ -35,7 +35,7 @@ def check_consistent(bm):
     assert not set(bm.free_block_ids()) & {b for b, c in enumerate(count) if c}
 
 
-# --------------------------------------------------------------------------- seed 000 §10
+# ------------------------------------------------------------ capacity and tail waste
 @pytest.mark.parametrize(
     "bs, fits, blocks, waste",
     [
@@ -46,7 +46,7 @@ def check_consistent(bm):
 )
 def test_capacity_and_tail_waste_128_slot_pool(bs, fits, blocks, waste):
     lengths = [17, 31, 32, 33]
-    # The seed's formulas first.
+    # The formulas first: ceil(n / bs) blocks, ceil(n / bs) * bs - n wasted slots.
     assert [blocks_for(n, bs) for n in lengths] == blocks
     assert sum(tail_waste(n, bs) for n in lengths) == waste
     assert (sum(blocks) * bs <= 128) == fits
@@ -143,10 +143,10 @@ def test_exercise_2_append_ten_at_once_matches_token_by_token():
     assert bm.slot_mapping("A", 22, 32) == [30, 31] + list(range(32, 40))
 
 
-# --------------------------------------------------------------------------- §16-17 trace
+# ------------------------------------------------------------- the 35-token fork trace
 def test_35_token_fork_trace_and_release():
     bm = BlockManager(16, 16)
-    bm.allocate("dummy", 10 * 16)  # occupies blocks 0..9 so the trace gets the seed's ids
+    bm.allocate("dummy", 10 * 16)  # blocks 0..9: the trace uses blocks 10-13
     assert bm.allocate("A", 35) == 0
     assert bm.block_table("A") == [10, 11, 12]
     assert refs(bm)[10:13] == [1, 1, 1]

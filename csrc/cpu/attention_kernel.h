@@ -8,7 +8,7 @@
 // busy, long sequences are split over threads and the partial softmax states merged exactly
 // (flash-decoding), then the kv heads. Multi-token items take one kv head. Blocks are read
 // straight from the cache through the block table (no gathered copy) with a blockwise online
-// softmax (seed 004):
+// softmax (docs/concepts.md):
 //   m_new = max(m, max_t z_t);  l = l * e^(m - m_new) + sum_t e^(z_t - m_new);
 //   acc = acc * e^(m - m_new) + sum_t e^(z_t - m_new) v_t.
 // Positions that are not visible (past seq_len in the last block, before the sliding window)

@@ -4,7 +4,7 @@
 // all read the same kv head, so every K/V element is loaded from memory once and used for the
 // whole tile of the GQA group (GT query heads; larger groups are split into several tiles).
 // Within the CTA, warp w walks 32-token tiles w, w+4, ... of its partition with its own online
-// softmax (seed 004):
+// softmax (docs/concepts.md):
 //   m' = max(m, max_t z_t);  l' = l e^(m-m') + sum_t e^(z_t-m');  o' = o e^(m-m') + sum_t e^(z_t-m') v_t
 // and the four warps are merged through shared memory at the end. With several partitions
 // (split-K, for long contexts and small batches) each CTA stores (m, l, o) unnormalised in fp32

@@ -21,7 +21,7 @@
 //      unwritten slots never reach the arithmetic; kvis_s[t] says which positions were loaded.
 //   2. each warp, on its 16 (8 for head_size > 128) rows, if one of them sees the tile:
 //      S = Q K^T (lane: 4 rows x 4 (2) keys), soft-cap, ALiBi, per-row causal/window mask by
-//      selection (z = -inf, p = 0), online softmax (seed 004) with the row max reduced over the
+//      selection (z = -inf, p = 0), online softmax with the row max reduced over the
 //      8 (16) lanes sharing the rows, p -> p_s, then O += P V (lane: the same 4 rows x
 //      head_size / 8 (16) dims), the running max/sum of its rows staying in the same lanes.
 // With several partitions, (m, l, o) per (token, head, partition) go to fp32 scratch and the
