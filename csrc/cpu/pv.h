@@ -67,14 +67,12 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // loaded once per step and row). Where to then:
 // - 8 lanes (AVX2, portable): the lanes are summed once per group into the rows' running sums
 //   o (tile_sums, which also applies the softmax rescale alpha). The running sums are D floats
-//   per row; per-lane accumulators kept across groups were D * W, and their loads and stores
-//   from L2 cost p.v 12% (a microbenchmark with 8 kv heads). The AVX2 kernel gained 3-7%
-//   (fp32, fp16, bf16; fp8 1-4% slower) at block size 16, 3-11% at 8 and 10-28% at 32.
+//   per row, where per-lane accumulators kept across groups would be D * W floats per row,
+//   loaded and stored from L2 (figures: benchmarks/RESULTS.md).
 // - 16 lanes (kLaneAcc): the accumulators are kept across groups in acc (W lanes per d,
 //   rescaled by softmax_step) and summed into o only on the item's last group (last; an item
 //   of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only; with 16
-//   it would sum each accumulator on its own, 8 per 32 FMAs at block size 16, and there is
-//   no AVX-512 CPU here to measure either on, so the 16-lane builds keep what they had.
+//   it would sum each accumulator on its own, 8 per 32 FMAs at block size 16.
 // next[k]: the blocks to prefetch. init: an item's first group (o and acc are written, not
 // read). NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb.
 // NV = 4: any multiple of 4 vectors per V row (nv_in of them, block sizes 4 W and up), in
