@@ -9,9 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_engine import _check_pool_empty, _tiny_llama  # noqa: E402
-
 from paged_ops.engine import PagedEngine, SamplingParams  # noqa: E402
+from tests.test_engine import _check_pool_empty, _tiny_llama  # noqa: E402
 
 PROMPT_LENS = (3, 9, 16, 23, 37)
 MAX_NEW = 12

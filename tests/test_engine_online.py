@@ -12,10 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_engine import _check_pool_empty, _hf_generate, _tiny_llama  # noqa: E402
-
 from paged_ops.engine import EngineOverloaded, PagedEngine, SamplingParams  # noqa: E402
 from paged_ops.engine.request import RequestOutput  # noqa: E402
+from tests.test_engine import _check_pool_empty, _hf_generate, _tiny_llama  # noqa: E402
 
 PROMPT_LENS = (3, 9, 16, 23, 37, 12)
 MAX_NEW = 16
