@@ -9,8 +9,6 @@ a GPU or without the CUDA kernels compiled in."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -18,6 +16,8 @@ import paged_ops
 from paged_ops import reference as ref
 from tests.helpers import (
     CUDA,
+    CUDA_BLOCK_SIZES,
+    CUDA_HEAD_SIZES,
     TOL,
     assert_same,
     assert_same_bytes,
@@ -37,20 +37,6 @@ pytestmark = CUDA
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-
-def _cuda_sizes(which):
-    """The head sizes (0) or block sizes (1) the CUDA kernels are built for (csrc/cuda_sizes.h:
-    the list the op checks and the kernels' dispatch use)."""
-    fn = paged_ops._C_LIB.paged_ops_cuda_sizes
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.POINTER(ctypes.c_int))]
-    fn.restype = ctypes.c_int
-    values = ctypes.POINTER(ctypes.c_int)()
-    n = fn(which, ctypes.byref(values))
-    return [values[i] for i in range(n)]
-
-
-HEAD_SIZES = _cuda_sizes(0)
-BLOCK_SIZES = _cuda_sizes(1)
 DEV = "cuda"
 
 
@@ -59,20 +45,8 @@ def _cpu(t):
 
 
 # ------------------------------------------------------------------------------------------
-# attention (the grid and empty batches: test_attention.py)
+# attention (every device: test_attention.py)
 # ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(8, 8), (16, 8), (24, 8), (6, 2), (10, 2), (64, 8), (32, 1),
-                                   (40, 2), (12, 1)])
-def test_attention_gqa_mqa(dtype, heads):
-    # Group sizes 1, 2, 3, 5, 8, 32, 20, 12: one and several group tiles, padded tiles.
-    num_heads, num_kv_heads = heads
-    lens = [5, 16, 77, 300]
-    pg = make_paged(lens, num_kv_heads, 128, 16, dtype, device=DEV, seed=3)
-    q = random_query(len(lens), num_heads, 128, dtype, device=DEV, scale=2.0)
-    check_attention(pg, q, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,57 +76,6 @@ def test_attention_split_k_with_window_and_empty_partitions(dtype):
     q = random_query(len(lens), 4, 64, dtype, device=DEV, scale=2.0)
     check_attention(pg, q, dtype, sliding_window=700)
     check_attention(pg, q, dtype, sliding_window=700, max_seq_len=20000)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_attention_alibi_window_softcap(dtype, block_size):
-    lens = [1, 17, 64, 333, 1000]
-    pg = make_paged(lens, 2, 64, block_size, dtype, device=DEV, seed=7)
-    q = random_query(len(lens), 8, 64, dtype, device=DEV, scale=2.0)
-    slopes = torch.rand(8, device=DEV) * 0.5
-    check_attention(pg, q, dtype, alibi_slopes=slopes)
-    check_attention(pg, q, dtype, sliding_window=37)
-    check_attention(pg, q, dtype, logits_soft_cap=5.0)
-    check_attention(pg, q, dtype, alibi_slopes=slopes, sliding_window=100, logits_soft_cap=8.0,
-                    scale=0.3)
-    # A strided slopes tensor.
-    check_attention(pg, q, dtype, alibi_slopes=torch.rand(16, device=DEV)[::2])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_strided_query_pool_views_strided_tables(dtype):
-    # query: slice of a fused qkv tensor and a head-strided view; caches: layer 1 of a
-    # [blocks, layers, ...] pool; block_tables and seq_lens: strided views.
-    lens = [3, 50, 129]
-    H, Hkv, D = 8, 2, 96
-    pg = make_paged(lens, Hkv, D, 16, dtype, device=DEV, seed=8, pool_layers=3, layer=1)
-    assert pg.key_cache.stride(0) != pg.key_cache[0].numel()
-    qkv = random_query(len(lens), H + 2 * Hkv, D, dtype, device=DEV, scale=2.0)
-    check_attention(pg, qkv[:, :H], dtype)
-    q2 = random_query(len(lens), H * 2, D, dtype, device=DEV).view(len(lens), H, 2, D)[:, :, 1]
-    check_attention(pg, q2, dtype)
-    wide = torch.full((len(lens), pg.block_tables.shape[1] * 2), 7, dtype=torch.int32,
-                      device=DEV)
-    wide[:, ::2] = pg.block_tables
-    sl = torch.zeros(2 * len(lens), dtype=torch.int32, device=DEV)
-    sl[::2] = pg.seq_lens
-    pg.block_tables, pg.seq_lens = wide[:, ::2], sl[::2]
-    check_attention(pg, qkv[:, :H], dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_out_strided(dtype):
-    lens = [0, 9, 100, 2000]
-    pg = make_paged(lens, 2, 128, 16, dtype, device=DEV, seed=9)
-    q = random_query(len(lens), 8, 128, dtype, device=DEV, scale=2.0)
-    buf = torch.full((len(lens), 8, 2, 128), 123.0, dtype=dtype, device=DEV)
-    out = buf[:, :, 1]
-    assert not out.is_contiguous()
-    got = check_attention(pg, q, dtype, out=out)
-    assert got.data_ptr() == out.data_ptr()
-    assert (buf[:, :, 0] == 123.0).all(), "attention_out wrote outside out"
-    assert (out[0] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -522,7 +445,7 @@ MIXED_L = [37, 12, 50, 100, 0, 45, 150]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
 def test_multi_token_mixed_batch(dtype, block_size, multi_kernel):
     skip_same_kernel(multi_kernel, dtype)
     pg, q, qsl = multi_batch(MIXED_Q, MIXED_L, 8, 2, 128, block_size, dtype, seed=block_size)
@@ -530,7 +453,7 @@ def test_multi_token_mixed_batch(dtype, block_size, multi_kernel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("head_size", CUDA_HEAD_SIZES)
 def test_multi_token_head_sizes(dtype, head_size, multi_kernel):
     skip_same_kernel(multi_kernel, dtype, head_size)
     pg, q, qsl = multi_batch([3, 40, 1], [20, 40, 9], 4, 2, head_size, 16, dtype, seed=head_size)
@@ -552,7 +475,7 @@ def test_multi_token_gqa_mqa(dtype, heads, head_size, multi_kernel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
 def test_multi_token_alibi_window_softcap(dtype, block_size, multi_kernel):
     skip_same_kernel(multi_kernel, dtype)
     pg, q, qsl = multi_batch([1, 9, 70, 33], [40, 200, 300, 33], 8, 2, 64, block_size, dtype,
@@ -689,7 +612,7 @@ def test_fp8_reshape_and_cache_strided_misaligned_pool_and_bad_slots(cache_dtype
 
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("q_dtype", DTYPES)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
 def test_fp8_attention_decode(cache_dtype, q_dtype, block_size):
     lens = [0, 1, block_size + 3, 70, 301]
     pg = fp8_paged(lens, 2, 128, block_size, cache_dtype, seed=block_size)
@@ -699,7 +622,7 @@ def test_fp8_attention_decode(cache_dtype, q_dtype, block_size):
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("head_size", [h for h in HEAD_SIZES if h % 16 == 0])
+@pytest.mark.parametrize("head_size", [h for h in CUDA_HEAD_SIZES if h % 16 == 0])
 def test_fp8_attention_head_sizes_decode_and_multi_token(cache_dtype, head_size, multi_kernel):
     pg = fp8_paged([5, 40, 33], 2, head_size, 16, cache_dtype, seed=head_size)
     for q_dtype in (torch.float16, torch.bfloat16):
