@@ -501,49 +501,6 @@ def test_multi_token_long_context_split_k(dtype, multi_kernel):
     check_general(pg, q, TOL[dtype], qsl=qsl, sliding_window=700)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_multi_token_q_len_one_equals_decode(dtype):
-    lens = [1, 17, 64, 333, 1000]
-    pg = make_paged(lens, 2, 128, 16, dtype, device=DEV, seed=12)
-    q = random_query(len(lens), 8, 128, dtype, device=DEV, scale=2.0)
-    qsl = qsl_of([1] * len(lens))
-    for kw in ({}, dict(sliding_window=40), dict(alibi_slopes=torch.rand(8, device=DEV))):
-        multi = check_general(pg, q, TOL[dtype], qsl=qsl, **kw)
-        decode = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                           pg.seq_lens, **kw)
-        torch.testing.assert_close(multi.float(), decode.float(), **TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_multi_token_strided_query_out_and_pool_view(dtype):
-    q_lens, lens = [4, 19, 1], [10, 60, 129]
-    H, Hkv, D = 8, 2, 96
-    pg = make_paged(lens, Hkv, D, 16, dtype, device=DEV, seed=8, pool_layers=3, layer=1)
-    n = sum(q_lens)
-    qkv = random_query(n, H + 2 * Hkv, D, dtype, device=DEV, scale=2.0)
-    qsl = qsl_of(q_lens)
-    buf = torch.full((n, H, 2, D), 123.0, dtype=dtype, device=DEV)
-    out = buf[:, :, 1]
-    got = check_general(pg, qkv[:, :H], TOL[dtype], qsl=qsl, out=out)
-    assert got.data_ptr() == out.data_ptr()
-    assert (buf[:, :, 0] == 123.0).all(), "attention_out wrote outside out"
-    # A strided query_start_loc (a view) is read with its stride.
-    wide = torch.zeros(2 * len(qsl), dtype=torch.int32, device=DEV)
-    wide[::2] = qsl
-    check_general(pg, qkv[:, :H], TOL[dtype], qsl=wide[::2])
-
-
-def test_multi_token_rejects_query_rows_without_a_sequence():
-    # Checked from the shapes alone (values of query_start_loc on the device are not read).
-    pg = make_paged([5], 2, 64, 16, torch.float16, device=DEV)
-    q = random_query(3, 4, 64, torch.float16, device=DEV)
-    out = torch.full_like(q, 3.0)
-    with pytest.raises(RuntimeError, match="query_start_loc"):
-        paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables[:0],
-                                  pg.seq_lens[:0], query_start_loc=qsl_of([]), out=out)
-    assert (out == 3.0).all()
-
-
 def test_multi_token_memory_safety_bad_device_indices():
     # The CUDA path cannot raise on device data: query_start_loc, seq_lens and block ids out of
     # range are clamped or skipped, never used to read or write outside the tensors.
