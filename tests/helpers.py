@@ -152,10 +152,11 @@ class PagedFp8(Paged):
 
 
 def make_paged_fp8(seq_lens, num_kv_heads, head_size, block_size, dtype, *, k_scale=0.02,
-                   v_scale=0.015, seed=0, extra_blocks=5, kv_scale=1.0):
+                   v_scale=0.015, seed=0, extra_blocks=5, kv_scale=1.0, device="cpu"):
     """Like make_paged, with fp8 caches holding the sequences quantised with the given scales
     (unwritten slots NaN, unused block-table entries junk). keys/values are the values the
-    stored bytes stand for (stored * scale, fp32)."""
+    stored bytes stand for (stored * scale, fp32, on the CPU); the tensors of the op are on
+    ``device``."""
     pg = make_paged(seq_lens, num_kv_heads, head_size, block_size, torch.float32, seed=seed,
                     extra_blocks=extra_blocks, kv_scale=kv_scale)
     ks = torch.tensor([k_scale], dtype=torch.float32)
@@ -165,7 +166,8 @@ def make_paged_fp8(seq_lens, num_kv_heads, head_size, block_size, dtype, *, k_sc
     vc = fp8_quantize(pg.value_cache, vs, dtype)
     keys = [fp8_quantize(k, ks, dtype).float() * ks for k in pg.keys]
     values = [fp8_quantize(v, vs, dtype).float() * vs for v in pg.values]
-    return PagedFp8(kc, vc, pg.block_tables, pg.seq_lens, keys, values, ks, vs)
+    return PagedFp8(kc.to(device), vc.to(device), pg.block_tables.to(device),
+                    pg.seq_lens.to(device), keys, values, ks.to(device), vs.to(device))
 
 
 def query_start_loc(q_lens, device="cpu"):

@@ -568,17 +568,6 @@ def test_fp8_reshape_and_cache_strided_misaligned_pool_and_bad_slots(cache_dtype
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("q_dtype", DTYPES)
-@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
-def test_fp8_attention_decode(cache_dtype, q_dtype, block_size):
-    lens = [0, 1, block_size + 3, 70, 301]
-    pg = fp8_paged(lens, 2, 128, block_size, cache_dtype, seed=block_size)
-    q = random_query(len(lens), 8, 128, q_dtype, device=DEV, scale=2.0)
-    out = check_general(pg, q, TOL[q_dtype], k_scale=pg.k_scale, v_scale=pg.v_scale)
-    assert (out[0] == 0).all()
-
-
-@pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("head_size", [h for h in CUDA_HEAD_SIZES if h % 16 == 0])
 def test_fp8_attention_head_sizes_decode_and_multi_token(cache_dtype, head_size, multi_kernel):
     pg = fp8_paged([5, 40, 33], 2, head_size, 16, cache_dtype, seed=head_size)
@@ -656,25 +645,6 @@ def test_fp8_rejections_on_cuda():
 
 
 # ---- opcheck and CUDA graphs -----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("cache_dtype", FP8)
-def test_opcheck_fp8(cache_dtype):
-    pg = fp8_paged([1, 20, 40], 2, 64, 16, cache_dtype, seed=15)
-    q = random_query(3, 8, 64, torch.bfloat16, device=DEV)
-    args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
-    scales = dict(k_scale=pg.k_scale, v_scale=pg.v_scale)
-    torch.library.opcheck(torch.ops.paged.attention.default, args, scales)
-    qm = random_query(9, 8, 64, torch.bfloat16, device=DEV)
-    torch.library.opcheck(torch.ops.paged.attention.default, (qm,) + args[1:],
-                          dict(query_start_loc=qsl_of([1, 4, 4]), **scales))
-    kc, vc = nan_fp8_caches(4, 2, 64, 16, cache_dtype, DEV)
-    kc.view(torch.uint8).zero_()
-    vc.view(torch.uint8).zero_()
-    torch.library.opcheck(torch.ops.paged.reshape_and_cache.default,
-                          (torch.randn(5, 2, 64, device=DEV), torch.randn(5, 2, 64, device=DEV),
-                           kc, vc, torch.tensor([3, 17, -1, 40, 63], device=DEV),
-                           pg.k_scale, pg.v_scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,5 @@
-"""fp8 KV caches (torch.float8_e4m3fn / torch.float8_e5m2); tests taking the device fixture
-also on CUDA (there also against the CPU kernel), CUDA-only ones in test_cuda.py.
+"""fp8 KV caches (torch.float8_e4m3fn / torch.float8_e5m2); tests with a device parameter
+also on CUDA (against the reference only), CUDA-only ones in test_cuda.py.
 
 reshape_and_cache stores round(x / scale) saturated to the format's largest finite value
 (round-to-nearest-even); attention reads stored * scale. Checked against the reference bit for
@@ -13,6 +13,7 @@ import torch
 import paged_ops
 from paged_ops import reference as ref
 from tests.helpers import (
+    CUDA_BLOCK_SIZES,
     FP8_DTYPES,
     TOL,
     assert_same_bytes,
@@ -23,9 +24,11 @@ from tests.helpers import (
     make_paged_fp8,
     nan_fp8_caches,
     one_thread,
+    per_device,
     query_start_loc,
     random_query,
 )
+from tests.helpers import check_attention as check_on_device
 
 IN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Half the spacing of the format's significands, relative: 2^-(mantissa bits + 1).
@@ -239,32 +242,29 @@ FP8_TOL = {
 }
 
 
-def check_attention(pg, q, **kw):
-    scale = kw.pop("scale", q.shape[-1] ** -0.5)
-    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, scale, k_scale=pg.k_scale, v_scale=pg.v_scale,
-                                    **kw)
-    with one_thread():
-        want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
-                             scale, kw.get("alibi_slopes"), kw.get("sliding_window", -1),
-                             kw.get("logits_soft_cap", 0.0), pg.k_scale, pg.v_scale,
-                             kw.get("query_start_loc"))
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert not out.isnan().any(), "NaN from unwritten slots leaked into the output"
-    torch.testing.assert_close(out.float(), want.float(), **FP8_TOL[q.dtype])
-    return out
+def check_attention(pg, q, *, tol=None, **kw):
+    """Attention over the fp8 caches of ``pg`` on their device vs the reference."""
+    return check_on_device(pg, q, q.dtype, tol=tol or FP8_TOL[q.dtype], k_scale=pg.k_scale,
+                           v_scale=pg.v_scale, **kw)
 
 
-@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("q_dtype", IN_DTYPES)
-@pytest.mark.parametrize("heads,block_size", [((8, 2), 16), ((4, 4), 1), ((8, 1), 32)])
+@pytest.mark.parametrize("device,cache_dtype,q_dtype,heads,head_size,block_size,lens", per_device(
+    cpu=[(c, q, h, 64, bs, (1, 15, 16, 17, 70)) for c in FP8_DTYPES for q in IN_DTYPES
+         for h, bs in [((8, 2), 16), ((4, 4), 1), ((8, 1), 32)]],
+    # Every block size the CUDA kernels are built for, with an empty sequence.
+    cuda=[(c, q, (8, 2), 128, bs, (0, 1, bs + 3, 70, 301)) for c in FP8_DTYPES
+          for q in IN_DTYPES for bs in CUDA_BLOCK_SIZES]))
 @pytest.mark.usefixtures("cpu_variant")
-def test_attention_matches_reference(cache_dtype, q_dtype, heads, block_size):
+def test_attention_matches_reference(device, cache_dtype, q_dtype, heads, head_size, block_size,
+                                     lens):
     num_heads, num_kv_heads = heads
-    lens = [1, 15, 16, 17, 70]
-    pg = make_paged_fp8(lens, num_kv_heads, 64, block_size, cache_dtype, seed=block_size)
-    q = random_query(len(lens), num_heads, 64, q_dtype, scale=2.0)
-    check_attention(pg, q)
+    pg = make_paged_fp8(list(lens), num_kv_heads, head_size, block_size, cache_dtype,
+                        seed=block_size, device=device)
+    q = random_query(len(lens), num_heads, head_size, q_dtype, device=device, scale=2.0)
+    # The CUDA kernels sum fp32 queries in another order: the general fp32 tolerance there.
+    out = check_attention(pg, q, tol=TOL[q_dtype] if device == "cuda" else None)
+    if lens[0] == 0:
+        assert (out[0] == 0).all()
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
@@ -413,25 +413,37 @@ def test_swap_blocks_fp8_round_trip(cache_dtype):
 OPCHECK_UTILS_FP8 = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
+def opcheck_utils(device):
+    # On CUDA every check runs (test_schema's comparison has CUDA kernels for fp8).
+    return {} if device == "cuda" else dict(test_utils=OPCHECK_UTILS_FP8)
+
+
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-def test_opcheck_reshape_and_cache_fp8(cache_dtype):
-    kc, vc = paged_ops.allocate_kv_cache(4, 2, 64, 16, cache_dtype)
+def test_opcheck_reshape_and_cache_fp8(cache_dtype, device):
+    kc, vc = nan_fp8_caches(4, 2, 64, 16, cache_dtype, device)
     kc.view(torch.uint8).zero_()
     vc.view(torch.uint8).zero_()
-    ks, vs = scales()
-    args = (torch.randn(5, 2, 64), torch.randn(5, 2, 64), kc, vc,
-            torch.tensor([3, 4, -1, 40, 63]), ks, vs)
+    ks, vs = scales(device=device)
+    args = (torch.randn(5, 2, 64, device=device), torch.randn(5, 2, 64, device=device), kc, vc,
+            torch.tensor([3, 17, -1, 40, 63], device=device), ks, vs)
     torch.library.opcheck(torch.ops.paged.reshape_and_cache.default, args,
-                          test_utils=OPCHECK_UTILS_FP8)
+                          **opcheck_utils(device))
 
 
-def test_opcheck_attention_fp8():
-    pg = make_paged_fp8([1, 17, 40], 2, 64, 16, torch.float8_e4m3fn)
-    q = random_query(3, 8, 64, torch.bfloat16)
+@pytest.mark.parametrize("device,cache_dtype", per_device(
+    cpu=[(torch.float8_e4m3fn,)], cuda=[(c,) for c in FP8_DTYPES]))
+def test_opcheck_attention_fp8(device, cache_dtype):
+    pg = make_paged_fp8([1, 17, 40], 2, 64, 16, cache_dtype, seed=15, device=device)
+    q = random_query(3, 8, 64, torch.bfloat16, device=device)
     args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
-    torch.library.opcheck(torch.ops.paged.attention.default, args,
-                          dict(k_scale=pg.k_scale, v_scale=pg.v_scale),
-                          test_utils=OPCHECK_UTILS_FP8)
+    scales_kw = dict(k_scale=pg.k_scale, v_scale=pg.v_scale)
+    torch.library.opcheck(torch.ops.paged.attention.default, args, scales_kw,
+                          **opcheck_utils(device))
+    # Several query tokens per sequence.
+    qm = random_query(9, 8, 64, torch.bfloat16, device=device)
+    torch.library.opcheck(torch.ops.paged.attention.default, (qm,) + args[1:],
+                          dict(query_start_loc=query_start_loc([1, 4, 4], device=device),
+                               **scales_kw), **opcheck_utils(device))
 
 
 def test_quantize_helpers_agree_with_reference():
