@@ -236,35 +236,6 @@ def test_copy_blocks_pool_views_and_device_ids_out_of_range():
         assert_same(a, b)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float8_e5m2])
-def test_copy_blocks_any_dtype(dtype):
-    # A block copy moves bytes: caches of any dtype (x = 16 // element size) are accepted.
-    x = 16 // torch.empty((), dtype=dtype).element_size()
-    g = torch.Generator().manual_seed(1)
-    kcs = [torch.randint(0, 100, (6, 2, 32 // x, 8, x), generator=g).to(dtype).to(DEV)
-           for _ in range(2)]
-    vcs = [torch.randint(0, 100, (6, 2, 32, 8), generator=g).to(dtype).to(DEV)
-           for _ in range(2)]
-    mapping = torch.tensor([[0, 4], [5, 1]])
-    want_k, want_v = ref.copy_blocks([k.cpu() for k in kcs], [v.cpu() for v in vcs], mapping)
-    paged_ops.copy_blocks(kcs, vcs, mapping.to(DEV))
-    torch.cuda.synchronize()
-    for a, b in zip(kcs + vcs, want_k + want_v):
-        assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
-
-
-# (2, 5) after (0, 2) or before it: block 2 is written and read; (1, 3) and (4, 3): written twice.
-@pytest.mark.parametrize("pairs", [[[0, 2], [2, 5]], [[2, 5], [0, 2]], [[1, 3], [4, 3]]])
-def test_copy_blocks_rejects_chained_pairs_of_a_host_mapping(pairs):
-    kcs, vcs = random_layers(2)
-    before = [t.clone() for t in kcs + vcs]
-    with pytest.raises(RuntimeError, match="block_mapping"):
-        paged_ops.copy_blocks(kcs, vcs, torch.tensor(pairs))
-    torch.cuda.synchronize()
-    for a, b in zip(kcs + vcs, before):
-        assert_same(a, b)
-
-
 def test_copy_blocks_under_cuda_graph_capture():
     # A CPU mapping would be staged in a pinned buffer that is recycled after the capture: it is
     # refused while capturing, the capture going on unharmed. A device mapping is captured and
