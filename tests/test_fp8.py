@@ -168,6 +168,26 @@ def test_reshape_strided_inputs_padding_rows_and_pool_view(cache_dtype):
     assert (kpool[:, [0, 2]] == 0).all() and (vpool[:, [0, 2]] == 0).all()
 
 
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_reshape_strided_misaligned_and_scale_view(cache_dtype, device):
+    H, D, bs = 2, 64, 16
+    qkv = torch.randn(10, 8 + 2 * H, D, device=device).to(torch.bfloat16)
+    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]
+    kpool = torch.zeros((3, 8, H, D // 16, bs, 16), dtype=torch.uint8, device=device).fill_(0x7F)
+    vpool = torch.zeros((3, 8, H, D, bs), dtype=torch.uint8, device=device).fill_(0x7F)
+    kc, vc = kpool[1].view(cache_dtype), vpool[1].view(cache_dtype)
+    ks = torch.tensor([0.5, 0.02], device=device)[1:]  # a one-element view
+    vs = torch.tensor([0.04], device=device)
+    slots = torch.tensor([5, 99, 16, -1, 127, 0, 64], device=device)
+    check_fp8_write(k, v, kc, vc, slots, ks, vs)
+    assert (kpool[0] == 0x7F).all() and (kpool[2] == 0x7F).all()
+    assert (vpool[0] == 0x7F).all() and (vpool[2] == 0x7F).all()
+    # One element off 16-byte alignment: the scalar path.
+    base = torch.randn(6, H, D + 1, device=device)
+    check_fp8_write(base[..., 1:], base.flip(0)[..., 1:], kc, vc,
+                    torch.tensor([1, 2, 3, 30, 31, -1], device=device), ks, vs)
+
+
 def test_scale_tensor_may_be_a_view():
     # A one-element view of a larger scale table (storage offset, any stride).
     table = torch.tensor([9.0, 0.05, 9.0, 0.03])
