@@ -556,33 +556,6 @@ def test_fp8_attention_multi_token_options_and_split_k(cache_dtype, q_dtype, mul
     check_general(pg2, qd, TOL[q_dtype], k_scale=pg2.k_scale, v_scale=pg2.v_scale)
 
 
-@pytest.mark.parametrize("cache_dtype", FP8)
-def test_fp8_write_then_attend_end_to_end(cache_dtype):
-    # Keys/values written by the CUDA fp8 write, read back by both CUDA kernels.
-    H, Hkv, D, bs = 8, 2, 128, 16
-    lens = [20, 77]
-    g = torch.Generator().manual_seed(0)
-    kc, vc = nan_fp8_caches(16, Hkv, D, bs, cache_dtype, DEV)
-    bt = torch.tensor([[3, 9, 0, 0, 0, 0], [1, 4, 7, 12, 2, 15]], dtype=torch.int32, device=DEV)
-    slots = torch.cat([bt[s, torch.arange(L) // bs].long().cpu() * bs + torch.arange(L) % bs
-                       for s, L in enumerate(lens)]).to(DEV)
-    k = torch.randn(sum(lens), Hkv, D, generator=g).half().to(DEV)
-    v = torch.randn(sum(lens), Hkv, D, generator=g).half().to(DEV)
-    ks, vs = torch.tensor([0.01], device=DEV), torch.tensor([0.02], device=DEV)
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
-
-    class P:
-        pass
-
-    pg = P()
-    pg.key_cache, pg.value_cache, pg.block_tables = kc, vc, bt
-    pg.seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    q = random_query(2, H, D, torch.float16, device=DEV, scale=2.0)
-    check_general(pg, q, TOL[torch.float16], k_scale=ks, v_scale=vs)
-    qm = random_query(30, H, D, torch.float16, device=DEV, scale=2.0)
-    check_general(pg, qm, TOL[torch.float16], qsl=qsl_of([10, 20]), k_scale=ks, v_scale=vs)
-
-
 def test_fp8_rejections_on_cuda():
     pg = fp8_paged([5], 1, 64, 16, torch.float8_e4m3fn)
     q = random_query(1, 2, 64, torch.float16, device=DEV)

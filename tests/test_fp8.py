@@ -16,6 +16,7 @@ from tests.helpers import (
     CUDA_BLOCK_SIZES,
     FP8_DTYPES,
     TOL,
+    PagedFp8,
     assert_same_bytes,
     cache_x,
     check_fp8_write,
@@ -23,7 +24,6 @@ from tests.helpers import (
     fp8_write_inputs,
     make_paged_fp8,
     nan_fp8_caches,
-    one_thread,
     per_device,
     query_start_loc,
     random_query,
@@ -343,33 +343,40 @@ def test_attention_equals_dense_sdpa_of_the_dequantised_tokens(cache_dtype):
         torch.testing.assert_close(out[s], want.squeeze(1), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("device,cache_dtype,in_dtype", per_device(
+    cpu=[(c, torch.float32) for c in FP8_DTYPES], cuda=[(c, torch.float16) for c in FP8_DTYPES]))
 @pytest.mark.usefixtures("cpu_variant")
-def test_write_then_attend_end_to_end(cache_dtype):
-    # reshape_and_cache into an fp8 cache, then attention, against fp32 attention over the
+def test_write_then_attend_end_to_end(device, cache_dtype, in_dtype):
+    # reshape_and_cache into fp8 caches, then decode and multi-token attention (on CUDA: both
+    # kernels) over the written bytes vs the reference, and decode vs attention over the
     # original keys/values: the gap is the quantisation error only.
     g = torch.Generator().manual_seed(11)
-    H, Hkv, D, bs, L = 8, 2, 64, 16, 45
-    k = torch.randn(L, Hkv, D, generator=g)
-    v = torch.randn(L, Hkv, D, generator=g)
-    nb = 8
-    kc, vc = nan_fp8_caches(nb, Hkv, D, bs, cache_dtype)
-    blocks = [5, 1, 6]
-    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(L)])
-    ks, vs = torch.tensor([4.0 / 448]), torch.tensor([4.0 / 448])
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
-    bt = torch.tensor([blocks + [0]], dtype=torch.int32)
-    sl = torch.tensor([L], dtype=torch.int32)
-    q = torch.randn(1, H, D, generator=g)
-    out = paged_ops.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
-    with one_thread():
-        want = ref.attention(q, kc, vc, bt, sl, D**-0.5, k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-    exact = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1),
-        v.repeat_interleave(4, 1).transpose(0, 1)).transpose(0, 1)
+    H, Hkv, D, bs = 8, 2, 128, 16
+    lens = [20, 77]
+    kc, vc = nan_fp8_caches(16, Hkv, D, bs, cache_dtype, device)
+    bt = torch.tensor([[3, 9, 0, 0, 0, 0], [1, 4, 7, 12, 2, 15]], dtype=torch.int32)
+    slots = torch.cat([bt[s, torch.arange(L) // bs].long() * bs + torch.arange(L) % bs
+                       for s, L in enumerate(lens)])
+    k = torch.randn(sum(lens), Hkv, D, generator=g).to(in_dtype)
+    v = torch.randn(sum(lens), Hkv, D, generator=g).to(in_dtype)
+    ks, vs = scales(5.0 / 448, 5.0 / 448, device=device)
+    paged_ops.reshape_and_cache(k.to(device), v.to(device), kc, vc, slots.to(device),
+                                k_scale=ks, v_scale=vs)
+    pg = PagedFp8(kc, vc, bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
+                  None, None, ks, vs)
+    q = random_query(2, H, D, in_dtype, device=device, seed=12)
+    out = check_attention(pg, q).cpu().float()
+    qm = random_query(30, H, D, in_dtype, device=device, seed=13)
+    check_attention(pg, qm, query_start_loc=query_start_loc([10, 20], device=device))
     tol = 0.1 if cache_dtype == torch.float8_e4m3fn else 0.2
-    assert (out - exact).abs().max() < tol
+    first = 0
+    for s, L in enumerate(lens):
+        ks_, vs_ = (t[first:first + L].float().repeat_interleave(4, 1).transpose(0, 1)
+                    for t in (k, v))
+        first += L
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            q[s].cpu().float().unsqueeze(1), ks_, vs_).squeeze(1)
+        assert (out[s] - exact).abs().max() < tol
 
 
 @pytest.mark.usefixtures("cpu_variant")
