@@ -4,6 +4,7 @@ and junk in unused block-table entries, plus the dense K/V each sequence was wri
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +19,21 @@ CUDA = [pytest.mark.cuda,
         pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a build with CUDA kernels")]
 # The devices of the `device` fixture (conftest.py): for parametrizing by hand.
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def _cuda_sizes(which):
+    """The head sizes (0) or block sizes (1) the CUDA kernels are built for (csrc/cuda_sizes.h:
+    the list the op checks and the kernels' dispatch use)."""
+    fn = paged_ops._C_LIB.paged_ops_cuda_sizes
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.POINTER(ctypes.c_int))]
+    fn.restype = ctypes.c_int
+    values = ctypes.POINTER(ctypes.c_int)()
+    n = fn(which, ctypes.byref(values))
+    return [values[i] for i in range(n)]
+
+
+CUDA_HEAD_SIZES = _cuda_sizes(0)
+CUDA_BLOCK_SIZES = _cuda_sizes(1)
 
 
 def synchronize(device) -> None:
@@ -136,10 +152,11 @@ class PagedFp8(Paged):
 
 
 def make_paged_fp8(seq_lens, num_kv_heads, head_size, block_size, dtype, *, k_scale=0.02,
-                   v_scale=0.015, seed=0, extra_blocks=5, kv_scale=1.0):
+                   v_scale=0.015, seed=0, extra_blocks=5, kv_scale=1.0, device="cpu"):
     """Like make_paged, with fp8 caches holding the sequences quantised with the given scales
     (unwritten slots NaN, unused block-table entries junk). keys/values are the values the
-    stored bytes stand for (stored * scale, fp32)."""
+    stored bytes stand for (stored * scale, fp32, on the CPU); the tensors of the op are on
+    ``device``."""
     pg = make_paged(seq_lens, num_kv_heads, head_size, block_size, torch.float32, seed=seed,
                     extra_blocks=extra_blocks, kv_scale=kv_scale)
     ks = torch.tensor([k_scale], dtype=torch.float32)
@@ -149,7 +166,8 @@ def make_paged_fp8(seq_lens, num_kv_heads, head_size, block_size, dtype, *, k_sc
     vc = fp8_quantize(pg.value_cache, vs, dtype)
     keys = [fp8_quantize(k, ks, dtype).float() * ks for k in pg.keys]
     values = [fp8_quantize(v, vs, dtype).float() * vs for v in pg.values]
-    return PagedFp8(kc, vc, pg.block_tables, pg.seq_lens, keys, values, ks, vs)
+    return PagedFp8(kc.to(device), vc.to(device), pg.block_tables.to(device),
+                    pg.seq_lens.to(device), keys, values, ks.to(device), vs.to(device))
 
 
 def query_start_loc(q_lens, device="cpu"):
@@ -240,10 +258,12 @@ def _cpu(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
 
-def check_attention(pg, q, dtype, *, out=None, **kw):
-    """Decode attention on the query's device vs the reference on the same cache contents (never
-    vs the CPU kernel: on a GPU host a mismatch must point at the CUDA code).
-    ``kw``: the op's options (``scale`` defaults to head_size ** -0.5). Returns the output."""
+def check_attention(pg, q, dtype, *, out=None, tol=None, **kw):
+    """Attention on the query's device (decode, or several query tokens per sequence with
+    ``query_start_loc``; fp8 caches with ``k_scale``/``v_scale``) vs the reference on the same
+    cache contents (never vs the CPU kernel: on a GPU host a mismatch must point at the CUDA
+    code). ``kw``: the op's options (``scale`` defaults to head_size ** -0.5); ``tol``: the
+    tolerance (default: that of ``dtype``). Returns the output."""
     scale = kw.pop("scale", q.shape[-1] ** -0.5)
     got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
                                     pg.seq_lens, scale, out=out, **kw)
@@ -254,9 +274,12 @@ def check_attention(pg, q, dtype, *, out=None, **kw):
     assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
     kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
     bt, sl = pg.block_tables.cpu(), pg.seq_lens.cpu()
-    want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
-                         kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0))
-    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+    with one_thread():
+        want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
+                             kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0),
+                             k_scale=_cpu(kw.get("k_scale")), v_scale=_cpu(kw.get("v_scale")),
+                             query_start_loc=_cpu(kw.get("query_start_loc")))
+    torch.testing.assert_close(got.cpu().float(), want.float(), **(tol or TOL[dtype]))
     return got
 
 

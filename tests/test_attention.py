@@ -1,6 +1,7 @@
 """paged::attention and paged::attention_out against the reference implementation, on every CPU
-kernel build; tests with a device parameter also on CUDA (there also against the CPU kernel).
-CUDA-only tests (tiles, split-K, unsupported sizes, memory safety): test_cuda.py."""
+kernel build; tests with a device parameter also on CUDA (against the reference only).
+CUDA-only tests (group-tile configurations, split-K, unsupported sizes, memory safety):
+test_cuda.py."""
 
 import itertools
 
@@ -10,6 +11,7 @@ import torch
 import paged_ops
 from paged_ops import reference as ref
 from tests.helpers import (
+    CUDA_BLOCK_SIZES,
     TOL,
     check_attention,
     make_paged,
@@ -73,14 +75,19 @@ def test_every_block_size(dtype, block_size, heads, head_size):
     check(pg, q, dtype, sliding_window=bs + 5)  # a partly visible first block too
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (16, 2), (8, 1), (32, 1)])
-def test_gqa_mqa(dtype, heads):
+@pytest.mark.parametrize("device,dtype,heads,head_size,lens", per_device(
+    cpu=[(dt, h, 64, (3, 16, 50)) for dt in DTYPES
+         for h in [(4, 4), (8, 2), (16, 2), (8, 1), (32, 1)]],
+    # Group sizes 1, 2, 3, 5, 8, 32, 20, 12: one and several CUDA group tiles, padded tiles.
+    cuda=[(dt, h, 128, (5, 16, 77, 300)) for dt in DTYPES
+          for h in [(8, 8), (16, 8), (24, 8), (6, 2), (10, 2), (64, 8), (32, 1), (40, 2),
+                    (12, 1)]]))
+def test_gqa_mqa(device, dtype, heads, head_size, lens):
     num_heads, num_kv_heads = heads
-    lens = [3, 16, 50]
-    pg = make_paged(lens, num_kv_heads, 64, 16, dtype, seed=3)
-    q = random_query(len(lens), num_heads, 64, dtype, scale=2.0)  # peaked softmax
-    check(pg, q, dtype)
+    pg = make_paged(list(lens), num_kv_heads, head_size, 16, dtype, device=device, seed=3)
+    q = random_query(len(lens), num_heads, head_size, dtype, device=device,
+                     scale=2.0)  # peaked softmax
+    check_attention(pg, q, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,6 +204,23 @@ def test_alibi_softcap_window_together(dtype):
     check(pg, q, dtype, scale=0.3, max_seq_len=65)
 
 
+@pytest.mark.parametrize("device,dtype,block_size", per_device(
+    cpu=[(dt, 16) for dt in DTYPES],
+    cuda=itertools.product(DTYPES, CUDA_BLOCK_SIZES)))
+def test_alibi_window_softcap_each_and_strided_slopes(device, dtype, block_size):
+    lens = [1, 17, 64, 333, 1000]
+    pg = make_paged(lens, 2, 64, block_size, dtype, device=device, seed=7)
+    q = random_query(len(lens), 8, 64, dtype, device=device, scale=2.0)
+    slopes = torch.rand(8, device=device) * 0.5
+    check_attention(pg, q, dtype, alibi_slopes=slopes)
+    check_attention(pg, q, dtype, sliding_window=37)
+    check_attention(pg, q, dtype, logits_soft_cap=5.0)
+    check_attention(pg, q, dtype, alibi_slopes=slopes, sliding_window=100, logits_soft_cap=8.0,
+                    scale=0.3)
+    # A strided slopes tensor.
+    check_attention(pg, q, dtype, alibi_slopes=torch.rand(16, device=device)[::2])
+
+
 def test_soft_cap_actually_caps():
     # Huge logits: without the cap the softmax is one-hot, with it it is not.
     pg = make_paged([20], 1, 64, 16, torch.float32, seed=2, kv_scale=30.0)
@@ -222,6 +246,41 @@ def test_strided_query_and_out():
     assert res is out
     torch.testing.assert_close(out, want)
     assert (big[:, 1::2] == 7.0).all(), "attention_out wrote outside its out view"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_query_pool_views_strided_tables(dtype, device):
+    # query: slice of a fused qkv tensor and a head-strided view; caches: layer 1 of a
+    # [blocks, layers, ...] pool; block_tables and seq_lens: strided views.
+    lens = [3, 50, 129]
+    H, Hkv, D = 8, 2, 96
+    pg = make_paged(lens, Hkv, D, 16, dtype, device=device, seed=8, pool_layers=3, layer=1)
+    assert pg.key_cache.stride(0) != pg.key_cache[0].numel()
+    qkv = random_query(len(lens), H + 2 * Hkv, D, dtype, device=device, scale=2.0)
+    check_attention(pg, qkv[:, :H], dtype)
+    q2 = random_query(len(lens), H * 2, D, dtype, device=device).view(len(lens), H, 2, D)[:, :, 1]
+    check_attention(pg, q2, dtype)
+    wide = torch.full((len(lens), pg.block_tables.shape[1] * 2), 7, dtype=torch.int32,
+                      device=device)
+    wide[:, ::2] = pg.block_tables
+    sl = torch.zeros(2 * len(lens), dtype=torch.int32, device=device)
+    sl[::2] = pg.seq_lens
+    pg.block_tables, pg.seq_lens = wide[:, ::2], sl[::2]
+    check_attention(pg, qkv[:, :H], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_out_strided(dtype, device):
+    lens = [0, 9, 100, 2000]
+    pg = make_paged(lens, 2, 128, 16, dtype, device=device, seed=9)
+    q = random_query(len(lens), 8, 128, dtype, device=device, scale=2.0)
+    buf = torch.full((len(lens), 8, 2, 128), 123.0, dtype=dtype, device=device)
+    out = buf[:, :, 1]
+    assert not out.is_contiguous()
+    got = check_attention(pg, q, dtype, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert (buf[:, :, 0] == 123.0).all(), "attention_out wrote outside out"
+    assert (out[0] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,12 +1,20 @@
-"""reshape_and_cache, copy_blocks and swap_blocks against the reference (tests taking the device
-fixture also run on CUDA, there also against the CPU kernel; CUDA-only ones: test_cuda.py)."""
+"""reshape_and_cache, copy_blocks and swap_blocks against the reference (tests with a device
+parameter also run on CUDA, there too against the reference only; CUDA-only ones:
+test_cuda.py)."""
 
 import pytest
 import torch
 
 import paged_ops
 from paged_ops import reference as ref
-from tests.helpers import assert_same, cache_x, check_cache_write, nan_caches
+from tests.helpers import (
+    assert_same,
+    cache_x,
+    check_cache_write,
+    nan_caches,
+    per_device,
+    synchronize,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -127,18 +135,37 @@ def test_copy_blocks_all_layers(dtype):
     assert torch.equal(kcs[1][2], kcs[1][0])
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float8_e4m3fn])
-def test_copy_blocks_any_dtype(dtype):
+@pytest.mark.parametrize("device,dtype", per_device(
+    cpu=[(torch.uint8,), (torch.int32,), (torch.float8_e4m3fn,)],
+    cuda=[(torch.uint8,), (torch.int32,), (torch.float8_e5m2,)]))
+def test_copy_blocks_any_dtype(device, dtype):
     # A block copy moves bytes: caches of any dtype (x = 16 // element size) are accepted.
     x = 16 // torch.empty((), dtype=dtype).element_size()
     g = torch.Generator().manual_seed(2)
-    kcs = [torch.randint(0, 100, (6, 2, 32 // x, 8, x), generator=g).to(dtype) for _ in range(2)]
-    vcs = [torch.randint(0, 100, (6, 2, 32, 8), generator=g).to(dtype) for _ in range(2)]
+    kcs = [torch.randint(0, 100, (6, 2, 32 // x, 8, x), generator=g).to(dtype).to(device)
+           for _ in range(2)]
+    vcs = [torch.randint(0, 100, (6, 2, 32, 8), generator=g).to(dtype).to(device)
+           for _ in range(2)]
     mapping = torch.tensor([[0, 4], [5, 1], [2, 2]])  # (2, 2): a no-op pair is allowed
-    want_k, want_v = ref.copy_blocks(kcs, vcs, mapping)
-    paged_ops.copy_blocks(kcs, vcs, mapping)
+    want_k, want_v = ref.copy_blocks([k.cpu() for k in kcs], [v.cpu() for v in vcs], mapping)
+    paged_ops.copy_blocks(kcs, vcs, mapping.to(device))
+    synchronize(device)
     for a, b in zip(kcs + vcs, want_k + want_v):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+# (2, 5) after (0, 2) or before it: block 2 is written and read; (1, 3) and (4, 3): written twice.
+@pytest.mark.parametrize("pairs", [[[0, 2], [2, 5]], [[2, 5], [0, 2]], [[1, 3], [4, 3]]])
+def test_copy_blocks_rejects_chained_pairs_of_a_host_mapping(pairs, device):
+    caches = [paged_ops.allocate_kv_cache(10, 2, 64, 16, torch.float16, device=device)
+              for _ in range(2)]
+    kcs, vcs = [k.normal_() for k, _ in caches], [v.normal_() for _, v in caches]
+    before = [t.clone() for t in kcs + vcs]
+    with pytest.raises(RuntimeError, match="block_mapping"):
+        paged_ops.copy_blocks(kcs, vcs, torch.tensor(pairs))
+    synchronize(device)
+    for a, b in zip(kcs + vcs, before):
+        assert_same(a, b)
 
 
 def test_copy_blocks_empty_mapping_and_no_layers():

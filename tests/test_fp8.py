@@ -1,5 +1,5 @@
-"""fp8 KV caches (torch.float8_e4m3fn / torch.float8_e5m2); tests taking the device fixture
-also on CUDA (there also against the CPU kernel), CUDA-only ones in test_cuda.py.
+"""fp8 KV caches (torch.float8_e4m3fn / torch.float8_e5m2); tests with a device parameter
+also on CUDA (against the reference only), CUDA-only ones in test_cuda.py.
 
 reshape_and_cache stores round(x / scale) saturated to the format's largest finite value
 (round-to-nearest-even); attention reads stored * scale. Checked against the reference bit for
@@ -13,8 +13,10 @@ import torch
 import paged_ops
 from paged_ops import reference as ref
 from tests.helpers import (
+    CUDA_BLOCK_SIZES,
     FP8_DTYPES,
     TOL,
+    PagedFp8,
     assert_same_bytes,
     cache_x,
     check_fp8_write,
@@ -22,10 +24,11 @@ from tests.helpers import (
     fp8_write_inputs,
     make_paged_fp8,
     nan_fp8_caches,
-    one_thread,
+    per_device,
     query_start_loc,
     random_query,
 )
+from tests.helpers import check_attention as check_on_device
 
 IN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Half the spacing of the format's significands, relative: 2^-(mantissa bits + 1).
@@ -165,6 +168,26 @@ def test_reshape_strided_inputs_padding_rows_and_pool_view(cache_dtype):
     assert (kpool[:, [0, 2]] == 0).all() and (vpool[:, [0, 2]] == 0).all()
 
 
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_reshape_strided_misaligned_and_scale_view(cache_dtype, device):
+    H, D, bs = 2, 64, 16
+    qkv = torch.randn(10, 8 + 2 * H, D, device=device).to(torch.bfloat16)
+    k, v = qkv[:, 8:8 + H], qkv[:, 8 + H:]
+    kpool = torch.zeros((3, 8, H, D // 16, bs, 16), dtype=torch.uint8, device=device).fill_(0x7F)
+    vpool = torch.zeros((3, 8, H, D, bs), dtype=torch.uint8, device=device).fill_(0x7F)
+    kc, vc = kpool[1].view(cache_dtype), vpool[1].view(cache_dtype)
+    ks = torch.tensor([0.5, 0.02], device=device)[1:]  # a one-element view
+    vs = torch.tensor([0.04], device=device)
+    slots = torch.tensor([5, 99, 16, -1, 127, 0, 64], device=device)
+    check_fp8_write(k, v, kc, vc, slots, ks, vs)
+    assert (kpool[0] == 0x7F).all() and (kpool[2] == 0x7F).all()
+    assert (vpool[0] == 0x7F).all() and (vpool[2] == 0x7F).all()
+    # One element off 16-byte alignment: the scalar path.
+    base = torch.randn(6, H, D + 1, device=device)
+    check_fp8_write(base[..., 1:], base.flip(0)[..., 1:], kc, vc,
+                    torch.tensor([1, 2, 3, 30, 31, -1], device=device), ks, vs)
+
+
 def test_scale_tensor_may_be_a_view():
     # A one-element view of a larger scale table (storage offset, any stride).
     table = torch.tensor([9.0, 0.05, 9.0, 0.03])
@@ -239,32 +262,29 @@ FP8_TOL = {
 }
 
 
-def check_attention(pg, q, **kw):
-    scale = kw.pop("scale", q.shape[-1] ** -0.5)
-    out = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, scale, k_scale=pg.k_scale, v_scale=pg.v_scale,
-                                    **kw)
-    with one_thread():
-        want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
-                             scale, kw.get("alibi_slopes"), kw.get("sliding_window", -1),
-                             kw.get("logits_soft_cap", 0.0), pg.k_scale, pg.v_scale,
-                             kw.get("query_start_loc"))
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert not out.isnan().any(), "NaN from unwritten slots leaked into the output"
-    torch.testing.assert_close(out.float(), want.float(), **FP8_TOL[q.dtype])
-    return out
+def check_attention(pg, q, *, tol=None, **kw):
+    """Attention over the fp8 caches of ``pg`` on their device vs the reference."""
+    return check_on_device(pg, q, q.dtype, tol=tol or FP8_TOL[q.dtype], k_scale=pg.k_scale,
+                           v_scale=pg.v_scale, **kw)
 
 
-@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("q_dtype", IN_DTYPES)
-@pytest.mark.parametrize("heads,block_size", [((8, 2), 16), ((4, 4), 1), ((8, 1), 32)])
+@pytest.mark.parametrize("device,cache_dtype,q_dtype,heads,head_size,block_size,lens", per_device(
+    cpu=[(c, q, h, 64, bs, (1, 15, 16, 17, 70)) for c in FP8_DTYPES for q in IN_DTYPES
+         for h, bs in [((8, 2), 16), ((4, 4), 1), ((8, 1), 32)]],
+    # Every block size the CUDA kernels are built for, with an empty sequence.
+    cuda=[(c, q, (8, 2), 128, bs, (0, 1, bs + 3, 70, 301)) for c in FP8_DTYPES
+          for q in IN_DTYPES for bs in CUDA_BLOCK_SIZES]))
 @pytest.mark.usefixtures("cpu_variant")
-def test_attention_matches_reference(cache_dtype, q_dtype, heads, block_size):
+def test_attention_matches_reference(device, cache_dtype, q_dtype, heads, head_size, block_size,
+                                     lens):
     num_heads, num_kv_heads = heads
-    lens = [1, 15, 16, 17, 70]
-    pg = make_paged_fp8(lens, num_kv_heads, 64, block_size, cache_dtype, seed=block_size)
-    q = random_query(len(lens), num_heads, 64, q_dtype, scale=2.0)
-    check_attention(pg, q)
+    pg = make_paged_fp8(list(lens), num_kv_heads, head_size, block_size, cache_dtype,
+                        seed=block_size, device=device)
+    q = random_query(len(lens), num_heads, head_size, q_dtype, device=device, scale=2.0)
+    # The CUDA kernels sum fp32 queries in another order: the general fp32 tolerance there.
+    out = check_attention(pg, q, tol=TOL[q_dtype] if device == "cuda" else None)
+    if lens[0] == 0:
+        assert (out[0] == 0).all()
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
@@ -323,33 +343,40 @@ def test_attention_equals_dense_sdpa_of_the_dequantised_tokens(cache_dtype):
         torch.testing.assert_close(out[s], want.squeeze(1), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("device,cache_dtype,in_dtype", per_device(
+    cpu=[(c, torch.float32) for c in FP8_DTYPES], cuda=[(c, torch.float16) for c in FP8_DTYPES]))
 @pytest.mark.usefixtures("cpu_variant")
-def test_write_then_attend_end_to_end(cache_dtype):
-    # reshape_and_cache into an fp8 cache, then attention, against fp32 attention over the
+def test_write_then_attend_end_to_end(device, cache_dtype, in_dtype):
+    # reshape_and_cache into fp8 caches, then decode and multi-token attention (on CUDA: both
+    # kernels) over the written bytes vs the reference, and decode vs attention over the
     # original keys/values: the gap is the quantisation error only.
     g = torch.Generator().manual_seed(11)
-    H, Hkv, D, bs, L = 8, 2, 64, 16, 45
-    k = torch.randn(L, Hkv, D, generator=g)
-    v = torch.randn(L, Hkv, D, generator=g)
-    nb = 8
-    kc, vc = nan_fp8_caches(nb, Hkv, D, bs, cache_dtype)
-    blocks = [5, 1, 6]
-    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(L)])
-    ks, vs = torch.tensor([4.0 / 448]), torch.tensor([4.0 / 448])
-    paged_ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
-    bt = torch.tensor([blocks + [0]], dtype=torch.int32)
-    sl = torch.tensor([L], dtype=torch.int32)
-    q = torch.randn(1, H, D, generator=g)
-    out = paged_ops.paged_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
-    with one_thread():
-        want = ref.attention(q, kc, vc, bt, sl, D**-0.5, k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-    exact = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1),
-        v.repeat_interleave(4, 1).transpose(0, 1)).transpose(0, 1)
+    H, Hkv, D, bs = 8, 2, 128, 16
+    lens = [20, 77]
+    kc, vc = nan_fp8_caches(16, Hkv, D, bs, cache_dtype, device)
+    bt = torch.tensor([[3, 9, 0, 0, 0, 0], [1, 4, 7, 12, 2, 15]], dtype=torch.int32)
+    slots = torch.cat([bt[s, torch.arange(L) // bs].long() * bs + torch.arange(L) % bs
+                       for s, L in enumerate(lens)])
+    k = torch.randn(sum(lens), Hkv, D, generator=g).to(in_dtype)
+    v = torch.randn(sum(lens), Hkv, D, generator=g).to(in_dtype)
+    ks, vs = scales(5.0 / 448, 5.0 / 448, device=device)
+    paged_ops.reshape_and_cache(k.to(device), v.to(device), kc, vc, slots.to(device),
+                                k_scale=ks, v_scale=vs)
+    pg = PagedFp8(kc, vc, bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
+                  None, None, ks, vs)
+    q = random_query(2, H, D, in_dtype, device=device, seed=12)
+    out = check_attention(pg, q).cpu().float()
+    qm = random_query(30, H, D, in_dtype, device=device, seed=13)
+    check_attention(pg, qm, query_start_loc=query_start_loc([10, 20], device=device))
     tol = 0.1 if cache_dtype == torch.float8_e4m3fn else 0.2
-    assert (out - exact).abs().max() < tol
+    first = 0
+    for s, L in enumerate(lens):
+        ks_, vs_ = (t[first:first + L].float().repeat_interleave(4, 1).transpose(0, 1)
+                    for t in (k, v))
+        first += L
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            q[s].cpu().float().unsqueeze(1), ks_, vs_).squeeze(1)
+        assert (out[s] - exact).abs().max() < tol
 
 
 @pytest.mark.usefixtures("cpu_variant")
@@ -413,25 +440,37 @@ def test_swap_blocks_fp8_round_trip(cache_dtype):
 OPCHECK_UTILS_FP8 = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
+def opcheck_utils(device):
+    # On CUDA every check runs (test_schema's comparison has CUDA kernels for fp8).
+    return {} if device == "cuda" else dict(test_utils=OPCHECK_UTILS_FP8)
+
+
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-def test_opcheck_reshape_and_cache_fp8(cache_dtype):
-    kc, vc = paged_ops.allocate_kv_cache(4, 2, 64, 16, cache_dtype)
+def test_opcheck_reshape_and_cache_fp8(cache_dtype, device):
+    kc, vc = nan_fp8_caches(4, 2, 64, 16, cache_dtype, device)
     kc.view(torch.uint8).zero_()
     vc.view(torch.uint8).zero_()
-    ks, vs = scales()
-    args = (torch.randn(5, 2, 64), torch.randn(5, 2, 64), kc, vc,
-            torch.tensor([3, 4, -1, 40, 63]), ks, vs)
+    ks, vs = scales(device=device)
+    args = (torch.randn(5, 2, 64, device=device), torch.randn(5, 2, 64, device=device), kc, vc,
+            torch.tensor([3, 17, -1, 40, 63], device=device), ks, vs)
     torch.library.opcheck(torch.ops.paged.reshape_and_cache.default, args,
-                          test_utils=OPCHECK_UTILS_FP8)
+                          **opcheck_utils(device))
 
 
-def test_opcheck_attention_fp8():
-    pg = make_paged_fp8([1, 17, 40], 2, 64, 16, torch.float8_e4m3fn)
-    q = random_query(3, 8, 64, torch.bfloat16)
+@pytest.mark.parametrize("device,cache_dtype", per_device(
+    cpu=[(torch.float8_e4m3fn,)], cuda=[(c,) for c in FP8_DTYPES]))
+def test_opcheck_attention_fp8(device, cache_dtype):
+    pg = make_paged_fp8([1, 17, 40], 2, 64, 16, cache_dtype, seed=15, device=device)
+    q = random_query(3, 8, 64, torch.bfloat16, device=device)
     args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
-    torch.library.opcheck(torch.ops.paged.attention.default, args,
-                          dict(k_scale=pg.k_scale, v_scale=pg.v_scale),
-                          test_utils=OPCHECK_UTILS_FP8)
+    scales_kw = dict(k_scale=pg.k_scale, v_scale=pg.v_scale)
+    torch.library.opcheck(torch.ops.paged.attention.default, args, scales_kw,
+                          **opcheck_utils(device))
+    # Several query tokens per sequence.
+    qm = random_query(9, 8, 64, torch.bfloat16, device=device)
+    torch.library.opcheck(torch.ops.paged.attention.default, (qm,) + args[1:],
+                          dict(query_start_loc=query_start_loc([1, 4, 4], device=device),
+                               **scales_kw), **opcheck_utils(device))
 
 
 def test_quantize_helpers_agree_with_reference():

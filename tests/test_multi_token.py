@@ -1,4 +1,5 @@
-"""paged::attention with several query tokens per sequence (query_start_loc), on the CPU.
+"""paged::attention with several query tokens per sequence (query_start_loc), on the CPU and,
+in the tests with a device parameter, on CUDA (both CUDA multi-token kernels: test_cuda.py).
 
 Sequence s owns the query rows [qsl[s], qsl[s+1]): its last q_len positions. The row at
 position P = seq_lens[s] - q_len + j sees positions p <= P (sliding window and ALiBi measured
@@ -13,8 +14,10 @@ import paged_ops
 from paged_ops import reference as ref
 from tests.helpers import (
     TOL,
+    check_attention,
     make_paged,
     one_thread,
+    per_device,
     query_start_loc,
     random_query,
     synchronize,
@@ -106,20 +109,24 @@ def test_no_query_rows_at_all(dtype, device):
     synchronize(device)  # nothing was launched that fails late
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_q_len_one_equals_decode(dtype):
-    lens = [1, 16, 17, 40]
-    pg, q, qsl = batch([1] * 4, lens, dtype=dtype, seed=7)
-    multi = run(pg, q, qsl)
-    decode = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                       pg.seq_lens)
-    tight = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
-    torch.testing.assert_close(multi.float(), decode.float(), **tight)
-    for kw in (dict(sliding_window=5), dict(alibi_slopes=torch.rand(8), logits_soft_cap=3.0)):
-        multi = run(pg, q, qsl, **kw)
+@pytest.mark.parametrize("device,dtype,lens,head_size", per_device(
+    cpu=[(dt, (1, 16, 17, 40), 64) for dt in DTYPES],
+    cuda=[(dt, (1, 17, 64, 333, 1000), 128) for dt in DTYPES]))
+def test_q_len_one_equals_decode(device, dtype, lens, head_size):
+    pg, q, qsl = batch([1] * len(lens), list(lens), head_size=head_size, dtype=dtype, seed=7,
+                       device=device)
+    # On the CPU both paths share the kernel's inner loops (fp32: all but equal); the CUDA
+    # multi-token and decode kernels are different code.
+    tight = (dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 and device == "cpu"
+             else TOL[dtype])
+    slopes = torch.rand(8, device=device)
+    for kw in ({}, dict(sliding_window=5), dict(sliding_window=40), dict(alibi_slopes=slopes),
+               dict(alibi_slopes=slopes, logits_soft_cap=3.0)):
+        multi = check_attention(pg, q, dtype, query_start_loc=qsl, **kw)
         decode = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
                                            pg.seq_lens, **kw)
-        torch.testing.assert_close(multi.float(), decode.float(), **tight)
+        synchronize(device)
+        torch.testing.assert_close(multi.cpu().float(), decode.cpu().float(), **tight)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -179,6 +186,25 @@ def test_per_layer_view_of_a_pool():
     assert not pg.key_cache.is_contiguous()
     q = random_query(30, 4, 64, torch.bfloat16)
     check(pg, q, query_start_loc([10, 20]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_query_out_and_pool_view(dtype, device):
+    q_lens, lens = [4, 19, 1], [10, 60, 129]
+    H, Hkv, D = 8, 2, 96
+    pg = make_paged(lens, Hkv, D, 16, dtype, device=device, seed=8, pool_layers=3, layer=1)
+    n = sum(q_lens)
+    qkv = random_query(n, H + 2 * Hkv, D, dtype, device=device, scale=2.0)
+    qsl = query_start_loc(q_lens, device=device)
+    buf = torch.full((n, H, 2, D), 123.0, dtype=dtype, device=device)
+    out = buf[:, :, 1]
+    got = check_attention(pg, qkv[:, :H], dtype, query_start_loc=qsl, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert (buf[:, :, 0] == 123.0).all(), "attention_out wrote outside out"
+    # A strided query_start_loc (a view) is read with its stride.
+    wide = torch.zeros(2 * len(qsl), dtype=torch.int32, device=device)
+    wide[::2] = qsl
+    check_attention(pg, qkv[:, :H], dtype, query_start_loc=wide[::2])
 
 
 def test_deterministic_and_inputs_unchanged():
@@ -324,6 +350,18 @@ BAD_QSL = {
     "q_len > seq_len": ([0, 1, 5], torch.int32, [10, 3]),
     "no sequence but query rows": ([0], torch.int32, [10, 5]),
 }
+
+
+def test_rejects_query_rows_without_a_sequence(device):
+    # Checked from the shapes alone (values of query_start_loc on a device are not read).
+    pg = make_paged([5], 2, 64, 16, torch.float16, device=device)
+    q = random_query(3, 4, 64, torch.float16, device=device)
+    out = torch.full_like(q, 3.0)
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables[:0],
+                                  pg.seq_lens[:0], query_start_loc=query_start_loc(
+                                      [], device=device), out=out)
+    assert (out == 3.0).all()
 
 
 @pytest.mark.parametrize("case", list(BAD_QSL))
