@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import paged_ops
+from paged_ops.demo import greedy_mismatches
 
 
 def _tiny_llama(tp: int):
@@ -82,14 +83,7 @@ def run_tp_demo(tp: int) -> bool:
                   f"{bpb} bytes per block, {num_blocks * bpb / 1024:.0f} KiB pool")
         print(f"  one process: {single.num_kv_heads} KV heads, {single.kv_bytes_per_block} bytes "
               f"per block, {num_blocks * single.kv_bytes_per_block / 1024:.0f} KiB pool")
-        bad = 0
-        with torch.no_grad():
-            for p, branches in zip(prompts, outs, strict=True):
-                ids = torch.tensor([p], device=device)
-                ref = plain.generate(ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=max_new, do_sample=False,
-                                     pad_token_id=0)[0, len(p):].tolist()
-                bad += sum(b != ref for b in branches)
+        bad = greedy_mismatches(plain, prompts, outs, max_new, device)
         ok = bad == 0
         print(f"tokens of rank 0 vs one process's transformers model.generate (greedy): "
               f"{'IDENTICAL' if ok else f'{bad} MISMATCHING branches'} "

@@ -146,6 +146,21 @@ class _Progress:
             self.stream.write("\n")
 
 
+def greedy_mismatches(model, prompts, outs, max_new: int, device) -> int:
+    """How many branches of ``outs[i]`` differ from transformers' greedy ``generate`` on
+    ``prompts[i]``."""
+    bad = 0
+    with torch.no_grad():
+        for p, branches in zip(prompts, outs, strict=True):
+            ids = torch.tensor([p], device=device)
+            # all-ones mask: generate would otherwise mask prompt tokens == pad_token_id
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new, do_sample=False,
+                                 pad_token_id=0)[0, len(p):].tolist()
+            bad += sum(b != ref for b in branches)
+    return bad
+
+
 def _plot(stats, engine, path: str) -> str | None:
     try:
         import matplotlib
@@ -244,15 +259,7 @@ def run_engine_demo(device: str = "cpu", plot: str | None = DEFAULT_PLOT,
     ok = True
     if check:
         t0 = time.perf_counter()
-        bad = 0
-        with torch.no_grad():
-            for p, branches in zip(prompts, outs, strict=True):
-                ids = torch.tensor([p], device=device)
-                # all-ones mask: generate would otherwise mask prompt tokens == pad_token_id
-                ref = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=max_new, do_sample=False,
-                                     pad_token_id=0)[0, len(p):].tolist()
-                bad += sum(b != ref for b in branches)
+        bad = greedy_mismatches(model, prompts, outs, max_new, device)
         ok = bad == 0
         print(f"tokens vs transformers model.generate (greedy, per prompt): "
               f"{'IDENTICAL' if ok else f'{bad} MISMATCHING branches'} "
