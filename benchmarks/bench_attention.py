@@ -569,7 +569,7 @@ def parse_args(argv=None):
                    help="CPU: the grid only (no per-call overhead, odd-length and cache-write "
                         "rows)")
     p.add_argument("--csv", default=None)
-    p.add_argument("--plot", default=None, help="PNG: % of read bandwidth over block size")
+    p.add_argument("--plot", default=None, help="PNG: %% of read bandwidth over block size")
     p.add_argument("--quick", action="store_true", help="a few rows only")
     p.add_argument("--from-csv", default=None, metavar="CSV[,CSV...]",
                    help="run nothing: the tables (and --plot) of earlier runs' CSV files")

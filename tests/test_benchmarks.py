@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,3 +98,12 @@ def test_peer_vllm_cpu_table_and_fp8_reference():
         assert (t == x.to(f8).float()).logical_or(t.abs() < x.to(f8).float().abs()).all()
     # 1.1 lies between e4m3's 1.0 and 1.125; round-to-nearest gives 1.125.
     assert pv.fp8_toward_zero(torch, x, torch.float8_e4m3fn)[:2].tolist() == [1.0, -1.0]
+
+
+def test_benchmark_scripts_print_their_help():
+    # argparse formats help strings with %: a stray one fails --help (and every run) at once.
+    for name in ("bench_attention", "bench_cache_write", "bench_block_manager", "kernel_phases",
+                 "ab_kernels", "cpu_grid"):
+        run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"),
+                              "--help"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and "usage" in run.stdout, (name, run.stderr[-2000:])
