@@ -362,25 +362,9 @@ def qsl_of(q_lens, device=DEV):
 
 def check_general(pg, q, tol, *, qsl=None, k_scale=None, v_scale=None, out=None, **kw):
     """CUDA attention (decode, or multi-token with qsl; fp8 with scales) vs the reference on
-    the same cache bytes."""
-    scale = kw.pop("scale", q.shape[-1] ** -0.5)
-    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, scale, out=out, k_scale=k_scale,
-                                    v_scale=v_scale, query_start_loc=qsl, **kw)
-    torch.cuda.synchronize()
-    assert got.device == q.device and got.dtype == q.dtype and got.shape == q.shape
-    if out is None:
-        assert got.is_contiguous()
-    assert not got.isnan().any(), "NaN from unwritten slots or future positions leaked"
-    kc, vc = pg.key_cache.cpu(), pg.value_cache.cpu()
-    bt, sl = pg.block_tables.cpu(), pg.seq_lens.cpu()
-    with one_thread():
-        want = ref.attention(q.cpu(), kc, vc, bt, sl, scale, _cpu(kw.get("alibi_slopes")),
-                             kw.get("sliding_window", -1), kw.get("logits_soft_cap", 0.0),
-                             k_scale=_cpu(k_scale), v_scale=_cpu(v_scale),
-                             query_start_loc=_cpu(qsl))
-    torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
-    return got
+    the same cache bytes, with the tolerance ``tol``."""
+    return check_attention(pg, q, q.dtype, out=out, tol=tol, query_start_loc=qsl,
+                           k_scale=k_scale, v_scale=v_scale, **kw)
 
 
 def multi_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0,
