@@ -107,6 +107,10 @@ def extensions():
         cpu_build = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(cpu_build)
         for name, (flags, _) in cpu_build.VARIANTS.items():
+            if not cpu_build.compiler_accepts(name):
+                print(f"paged_ops: the compiler does not take {' '.join(flags)}; "
+                      f"the {name} CPU kernel build is left out")
+                continue
             exts.append(
                 ce.CppExtension(
                     f"paged_ops._cpu_{name}",

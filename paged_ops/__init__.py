@@ -54,17 +54,17 @@ def built_with_cuda() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("paged::attention", "CUDA")
 
 
-_VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16")  # in order of instruction sets
+_VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16", "avx512_amx")  # in order of instruction sets
 
 # The builds an AVX-512 CPU can run, fastest first as measured on one (docs/cpu_kernel_selection.md:
 # a Sapphire Rapids Xeon, every cache dtype and block size 8-256, interleaved A/B): the AVX2 build
 # is selected there until an AVX-512 build measures faster.
-_AVX512_PREFERENCE = ["avx2", "avx512_bf16", "avx512"]
+_AVX512_PREFERENCE = ["avx2", "avx512_bf16", "avx512", "avx512_amx"]
 
 
 def cpu_kernel_variant() -> str:
-    """The CPU attention kernel in use: ``"avx512_bf16"``, ``"avx512"``, ``"avx2"`` or
-    ``"default"``."""
+    """The CPU attention kernel in use: ``"avx512_amx"``, ``"avx512_bf16"``, ``"avx512"``,
+    ``"avx2"`` or ``"default"``."""
     return _C_LIB.paged_ops_cpu_kernel_name().decode()
 
 
@@ -74,10 +74,11 @@ def _variant_library(name: str) -> str | None:
     return found[0] if found else None
 
 
-def _has_avx512_bf16() -> bool:
-    # ATen's cpuinfo flags; an older torch without them reports no BF16 (the avx512 build runs).
+def _cpu_has(*features: str) -> bool:
+    # ATen's cpuinfo flags; an older torch without them reports none (the avx512 build runs).
     get = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    return bool(get is not None and get().get("avx512_bf16", False))
+    flags = get() if get is not None else {}
+    return all(flags.get(f, False) for f in features)
 
 
 def supported_cpu_kernel_variants() -> list[str]:
@@ -86,8 +87,10 @@ def supported_cpu_kernel_variants() -> list[str]:
     at import); ``"default"`` is always last."""
     cap = torch.backends.cpu.get_cpu_capability().upper()
     order = {"AVX512": list(_AVX512_PREFERENCE), "AVX2": ["avx2"]}.get(cap, [])
-    if "avx512_bf16" in order and not _has_avx512_bf16():
-        order.remove("avx512_bf16")
+    if not _cpu_has("avx512_bf16"):
+        order = [n for n in order if n not in ("avx512_bf16", "avx512_amx")]
+    if not _cpu_has("amx_tile", "amx_bf16"):
+        order = [n for n in order if n != "avx512_amx"]
     built = [n for n in order if _variant_library(n)]
     return built + ["default"]
 

@@ -30,16 +30,21 @@ def test_avx2_is_selected_on_avx512_cpus(monkeypatch):
     # Sapphire Rapids Xeon: slower at block size 8, 16 and for fp8, even elsewhere), so AVX2
     # comes first; the AVX-512 builds stay available by name and by the cap.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: {"avx512_bf16": True})
-    built = [v for v in ("avx2", "avx512_bf16", "avx512") if paged_ops._variant_library(v)]
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability",
+                        lambda: {"avx512_bf16": True, "amx_tile": True, "amx_bf16": True})
+    built = [v for v in ("avx2", "avx512_bf16", "avx512", "avx512_amx")
+             if paged_ops._variant_library(v)]
     assert paged_ops.supported_cpu_kernel_variants() == built + ["default"]
 
 
-@pytest.mark.parametrize("cap", ["default", "avx2", "avx512", "avx512_bf16"])
+ISA_ORDER = ["default", "avx2", "avx512", "avx512_bf16", "avx512_amx"]
+
+
+@pytest.mark.parametrize("cap", ISA_ORDER)
 def test_capability_caps_the_choice(cap):
     # The cap's build where supported, else the highest instruction set below it: asking for
     # more than the CPU has gives the most it has, not the portable build.
-    order = ["default", "avx2", "avx512", "avx512_bf16"]
+    order = ISA_ORDER
     expect = max((v for v in paged_ops.supported_cpu_kernel_variants()
                   if order.index(v) <= order.index(cap)), key=order.index)
     res = _variant_in_subprocess(PAGED_OPS_CPU_CAPABILITY=cap.upper())
@@ -60,18 +65,23 @@ def test_aten_capability_limits_the_builds():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_avx512_bf16_only_where_the_cpu_has_it(monkeypatch, bf16):
-    # What an AVX-512 CPU would be offered, with and without AVX512-BF16 (ATen's cpuinfo flags).
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_and_amx_builds_only_where_the_cpu_has_them(monkeypatch, bf16, amx):
+    # What an AVX-512 CPU would be offered, with and without AVX512-BF16 and AMX-BF16 (ATen's
+    # cpuinfo flags): the AMX build needs both.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: {"avx512_bf16": bf16})
-    built = [v for v in ("avx2", "avx512_bf16", "avx512") if paged_ops._variant_library(v)]
-    expect = [v for v in built if bf16 or v != "avx512_bf16"] + ["default"]
-    assert paged_ops.supported_cpu_kernel_variants() == expect
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability",
+                        lambda: {"avx512_bf16": bf16, "amx_tile": amx, "amx_bf16": amx})
+    built = [v for v in ("avx2", "avx512_bf16", "avx512", "avx512_amx")
+             if paged_ops._variant_library(v)]
+    expect = [v for v in built
+              if (bf16 or v not in ("avx512_bf16", "avx512_amx")) and (amx or v != "avx512_amx")]
+    assert paged_ops.supported_cpu_kernel_variants() == expect + ["default"]
 
 
 def test_variant_libraries_are_told_apart():
     # "_cpu_avx512" must not find "_cpu_avx512_bf16" (a prefix of its name).
-    for name in ("avx2", "avx512", "avx512_bf16"):
+    for name in ISA_ORDER[1:]:
         path = paged_ops._variant_library(name)
         if path is not None:
             assert os.path.basename(path).split(".")[0] == f"_cpu_{name}"

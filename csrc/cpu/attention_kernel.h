@@ -38,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/amx_attention.h"
 #include "cpu/fp8.h"
 #include "cpu/element_loads.h"
 #include "cpu/kernels.h"
@@ -84,6 +85,12 @@ struct Scratch {
   std::vector<uint8_t> vraw;  // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
   std::vector<float> m, l;   // [HR] running max / normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
+  // The AMX path (Layout::amx, amx_attention.h):
+  std::vector<uint16_t> qtiles;  // [nh][R / 4][D / 8][512] query operands of q.k
+  std::vector<uint32_t> pvnni;   // [group tokens / 2][16] probability operand of p.v
+  std::vector<float> amx_o;      // [HR / R][D][16] running sums of p * v, d-major
+  std::vector<uint8_t> kraw;     // [D * bs] a key block with hidden tokens zeroed
+  std::vector<float> cbuf;       // [512] accumulator tiles stored
 };
 
 inline Scratch& thread_scratch() {
@@ -119,8 +126,12 @@ struct Layout {
   bool plain_logits;  // no soft cap, no ALiBi
   // (q . s_k k) scale = s_k scale (q . k); fp8_unit: see fp8_unit().
   float qk_scale, v_scale;
+  // q.k and p.v on AMX tiles (amx_attention.h): a bf16 cache read with bf16 queries, in the
+  // builds with tiles (kAmx) where the OS grants them, when the block size splits into whole
+  // tiles and the rows of a kv head fit in one p.v tile (rows_max: tokens x GQA group).
+  bool amx;
 
-  explicit Layout(const AttentionParams& P)
+  Layout(const AttentionParams& P, int64_t rows_max)
       : G(P.num_heads / P.num_kv_heads), D(P.head_size), bs(P.block_size), x(P.x) {
     num_chunks = D / x;
     chunk_elems = bs * x;
@@ -142,6 +153,9 @@ struct Layout {
                         : qk_tile_iterations(chunk_elems, num_chunks, q_repeat);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
     v_scale = P.v_scale * fp8_unit<CT>();
+    amx = kAmx && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 && x == kAmxX &&
+          D % 16 == 0 && amx_block_size_ok(bs) && rows_max <= 16 && amx::usable();
+    if (amx) lane_acc = false;
   }
 };
 
@@ -181,6 +195,14 @@ struct ItemWorker {
     grow(scratch.raw, R_max * layout.raw_row);
     grow(scratch.p, R_max * layout.group_row);
     if (layout.lane_acc) grow(scratch.acc, HR_max * layout.acc_row);
+    if (layout.amx) {
+      const int64_t D = layout.D;
+      grow(scratch.qtiles, plan.heads_per_item * ((R_max + 3) / 4) * (D / kAmxX) * 512);
+      grow(scratch.pvnni, kGroup * layout.bs / 2 * 16);
+      grow(scratch.amx_o, plan.heads_per_item * D * 16);
+      grow(scratch.kraw, D * layout.bs * static_cast<int64_t>(sizeof(CT)));
+      grow(scratch.cbuf, 512);
+    }
     grow(scratch.ot, HR_max * layout.D);
     grow(scratch.alpha, HR_max);
     grow(scratch.o, HR_max * layout.D);
@@ -256,6 +278,7 @@ struct ItemWorker {
       const QT* q = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
       scratch.m[hr] = -std::numeric_limits<float>::infinity();
       scratch.l[hr] = 0.f;
+      if (layout.amx) continue;  // the query operands are packed below
       if constexpr (std::is_same_v<QT, c10::BFloat16>) {
         if (layout.dot_bf16) {  // each chunk's x bf16 values as they are, repeated to 2 W
           QT* rp = reinterpret_cast<QT*>(scratch.qrep.data() + hr * num_chunks * q_repeat);
@@ -271,6 +294,23 @@ struct ItemWorker {
         (load_f32(q + d, n) * VecF(layout.qk_scale)).store(qf + d, n);
       }
       fill_qrep(qf, scratch.qrep.data() + hr * num_chunks * q_repeat);
+    }
+    if constexpr (std::is_same_v<QT, c10::BFloat16>) {
+      if (layout.amx) {
+        const c10::BFloat16* rows[16];
+        const int64_t tiles = ((R + 3) / 4) * num_chunks * 512;
+        for (int64_t hl = 0; hl < it.nh; ++hl) {
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t j = it.j0 + r / G, h = (it.kvh + hl) * G + r % G;
+            rows[r] = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
+          }
+          amx_pack_queries(rows, R, D, scratch.qtiles.data() + hl * tiles);
+        }
+        // amx_pv_group starts its sums on the first group; an item without blocks has none.
+        if (it.b_first > it.b_last || !PAGED_OPS_PHASE_PV)
+          std::fill(scratch.amx_o.begin(), scratch.amx_o.begin() + it.nh * D * 16, 0.f);
+        return;
+      }
     }
     // pv_group starts its sums itself on the first group (init); pv_row_any adds, and an
     // item without blocks (empty split, seq_len 0) still turns its sums into rows.
@@ -328,6 +368,20 @@ struct ItemWorker {
       // The next block's key lines, spread over every tile of rows (R / 4 + R % 4 tiles).
       PrefetchCursor pf(g.k_next[k], layout.D * bs * static_cast<int64_t>(sizeof(CT)),
                         (R / 4 + R % 4) * layout.qk_iters);
+      if (layout.amx) {
+        const CT* kb = g.k[k];
+        if (g.t0[k] > 0 || g.t1[k] < bs)
+          kb = k_block_masked(kb, reinterpret_cast<CT*>(scratch.kraw.data()), num_chunks, bs,
+                              layout.x, g.t0[k], g.t1[k]);
+        PrefetchCursor apf(g.k_next[k], layout.D * bs * static_cast<int64_t>(sizeof(CT)),
+                           amx_qk_iterations(R, layout.D, bs));
+        if constexpr (std::is_same_v<CT, c10::BFloat16>) {
+          if (PAGED_OPS_PHASE_QK)
+            amx_qk_block(kb, scratch.qtiles.data() + hl * ((R + 3) / 4) * num_chunks * 512, R,
+                         layout.D, bs, scratch.p.data() + k * block_row, layout.group_row,
+                         scratch.cbuf.data(), apf);
+        }
+      }
       auto qk = [&](auto tile, auto one_q) {
         constexpr int G_T = decltype(tile)::value;
         for (; r + G_T <= R; r += G_T) {
@@ -343,7 +397,7 @@ struct ItemWorker {
                                                raw_row, q_repeat, pf);
         }
       };
-      if (!PAGED_OPS_PHASE_QK) {
+      if (!PAGED_OPS_PHASE_QK || layout.amx) {
       } else if (q_repeat == W) {
         qk(std::integral_constant<int, 4>{}, std::true_type{});
         qk(std::integral_constant<int, 1>{}, std::true_type{});
@@ -359,8 +413,8 @@ struct ItemWorker {
           std::fill(pr, pr + block_row, neg_inf);
           continue;
         }
-        sum_lane_groups(scratch.raw.data() + r * raw_row, layout.x_sum, bs, pr);
-        if (layout.dot_bf16)
+        if (!layout.amx) sum_lane_groups(scratch.raw.data() + r * raw_row, layout.x_sum, bs, pr);
+        if (layout.dot_bf16 || layout.amx)
           for (int64_t t = 0; t < bs; ++t) pr[t] *= layout.qk_scale;
         for (int64_t t = bs; t < block_row; ++t) pr[t] = neg_inf;
         if (!layout.plain_logits || t0 > 0 || t1 < bs) {
@@ -418,6 +472,23 @@ struct ItemWorker {
       for (int64_t k = 0; k < nb; ++k)
         v_block_to_f32(g.v[k], scratch.vtmp.data() + k * D * bs, D, bs, g.t0[k], g.t1[k]);
     };
+    if (layout.amx) {
+      if constexpr (std::is_same_v<CT, c10::BFloat16>) {
+        const CT* src[kGroup];
+        CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
+        for (int64_t k = 0; k < nb; ++k)
+          src[k] = g.t0[k] == 0 && g.t1[k] == bs
+                       ? g.v[k]
+                       : v_block_masked(g.v[k], masked + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+        amx_pack_probabilities(scratch.p.data(), group_row, R, nb, bs, layout.block_row,
+                               scratch.pvnni.data());
+        alignas(64) float alpha[16] = {};
+        std::copy(scratch.alpha.data() + hl * R, scratch.alpha.data() + (hl + 1) * R, alpha);
+        amx_pv_group(src, nb, bs, D, scratch.pvnni.data(), scratch.amx_o.data() + hl * D * 16,
+                     alpha, first, scratch.cbuf.data(), g.v_next);
+      }
+      return;
+    }
     if (!layout.fast_pv) {
       vcopy();
       for (int64_t k = 0; k < nb; ++k)
@@ -484,7 +555,11 @@ struct ItemWorker {
     for (int64_t hl = 0; hl < it.nh; ++hl) {
       const int64_t kvh = it.kvh + hl;
       float* const o_h = scratch.o.data() + hl * R * D;
-      if (layout.fast_pv) {
+      if (layout.amx) {
+        const float* ao = scratch.amx_o.data() + hl * D * 16;
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t d = 0; d < D; ++d) o_h[r * D + d] = ao[d * 16 + r];
+      } else if (layout.fast_pv) {
         rows_from_tiles(scratch.ot.data() + hl * R * D, R, D, o_h);
       } else {
         for (int64_t r = 0; r < R; ++r)
@@ -552,8 +627,8 @@ void merge_splits(const AttentionParams& P, const Plan& plan, float v_scale,
 
 template <typename QT, typename CT>
 void attention_impl(const AttentionParams& P) {
-  const Layout<CT> layout(P);
   const Plan plan = make_plan(P);
+  const Layout<CT> layout(P, plan.tokens_per_chunk * (P.num_heads / P.num_kv_heads));
   // Split-K partial states, per (sequence, kv head, split): [G] of (m, l), [G][D] of
   // unnormalised output. finish writes every one (an empty split: m = -inf, l = 0, o = 0).
   std::vector<float>& part_ml = call_scratch().part_ml;
@@ -566,6 +641,7 @@ void attention_impl(const AttentionParams& P) {
   at::parallel_for(0, plan.num_items, plan.grain, [&](int64_t begin, int64_t end) {
     ItemWorker<QT, CT> w(P, layout, plan, thread_scratch());
     GroupBlocks<CT> g;
+    if (layout.amx) amx_configure(layout.bs);
     for (int64_t item = begin; item < end; ++item) {
       w.start(item_info(P, plan, item));
       // Blocks go in groups of up to kGroup: one softmax step per row and one pass of the
@@ -582,6 +658,7 @@ void attention_impl(const AttentionParams& P) {
       }
       w.finish(part_ml.data(), part_o.data());
     }
+    if (layout.amx) amx::release();
   });
   if (plan.splits > 1) merge_splits<QT>(P, plan, layout.v_scale, part_ml, part_o);
 }
