@@ -146,7 +146,7 @@ inline void amx_pack_probabilities(const float* p, int64_t p_stride, int64_t R, 
 inline void amx_pv_group(const c10::BFloat16* const* v, int64_t nb, int64_t bs, int64_t D,
                          const uint32_t* pvnni, float* acc, const float* alpha, bool init,
                          float* cbuf, const c10::BFloat16* const* next) {
-  static_assert(W == 16, "the p.v accumulators are 16 rows, one vector per d");
+  static_assert(!kAmx || W == 16, "the p.v accumulators are 16 rows, one vector per d");
   const int64_t tok = amx_pv_tokens(bs), vrow_bytes = bs * 2;
   const VecF va = VecF::loadu(alpha);
   for (int64_t d0 = 0; d0 < D; d0 += 32) {

@@ -121,6 +121,7 @@ struct Layout {
   int64_t x_sum;  // raw lanes per token
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
+  bool half_pv;  // block size W / 2: p.v by pv_half_tile (two V rows per vector)
   bool lane_acc;  // the p.v sums live in acc between groups (pv_row_any, or kLaneAcc)
   int64_t qk_iters;      // chunk iterations of one qk_tile call
   bool plain_logits;  // no soft cap, no ALiBi
@@ -147,6 +148,7 @@ struct Layout {
     x_sum = dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV % 4 == 0);
+    half_pv = 2 * bs == W && D % 2 == 0;
     lane_acc = !fast_pv || kLaneAcc;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
     qk_iters = dot_bf16 ? qk_dot_iterations(chunk_elems, num_chunks)
@@ -489,6 +491,22 @@ struct ItemWorker {
       }
       return;
     }
+    if (layout.half_pv) {
+      const CT* src[kGroup];
+      CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
+      for (int64_t k = 0; k < nb; ++k)
+        src[k] = g.t0[k] == 0 && g.t1[k] == bs
+                     ? g.v[k]
+                     : v_block_masked(g.v[k], masked + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4)
+        pv_half_tile<4>(src, nb, scratch.p.data() + r * group_row, group_row, layout.block_row,
+                        acc_h + r * acc_row, acc_row, D);
+      for (; r < R; ++r)
+        pv_half_tile<1>(src, nb, scratch.p.data() + r * group_row, group_row, layout.block_row,
+                        acc_h + r * acc_row, acc_row, D);
+      return;
+    }
     if (!layout.fast_pv) {
       vcopy();
       for (int64_t k = 0; k < nb; ++k)
@@ -562,8 +580,11 @@ struct ItemWorker {
       } else if (layout.fast_pv) {
         rows_from_tiles(scratch.ot.data() + hl * R * D, R, D, o_h);
       } else {
-        for (int64_t r = 0; r < R; ++r)
-          reduce_acc(scratch.acc.data() + (hl * R + r) * layout.acc_row, o_h + r * D, D);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* acc = scratch.acc.data() + (hl * R + r) * layout.acc_row;
+          if (layout.half_pv) reduce_acc_halves(acc, o_h + r * D, D);
+          else reduce_acc(acc, o_h + r * D, D);
+        }
       }
       const float* m_h = scratch.m.data() + hl * R;
       const float* l_h = scratch.l.data() + hl * R;

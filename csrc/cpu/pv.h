@@ -176,6 +176,63 @@ inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D
   }
 }
 
+// p . v for block size W / 2 (8 on the 16-lane builds): a vector holds V rows d and d + 1 of
+// a block, and the block's probabilities go in both of its halves, so lanes [0, W / 2) of the
+// accumulator acc[(d / 2) * W] sum row d's products and lanes [W / 2, W) row d + 1's
+// (reduce_acc_halves). A tile of RT rows keeps DT accumulators each in registers over the nb
+// blocks of the group (one V load feeds RT FMAs); acc holds them between groups (rescaled by
+// softmax_step). Partly visible blocks arrive with their hidden columns zeroed.
+template <int RT, typename VT>
+inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64_t p_stride,
+                         int64_t block_row, float* acc, int64_t acc_stride, int64_t D) {
+  constexpr int64_t H = W / 2;
+  constexpr int DT = 2;  // pairs of rows d per step
+  alignas(64) float p2[RT][kGroup][W];
+  for (int r = 0; r < RT; ++r)
+    for (int64_t k = 0; k < nb; ++k)
+      for (int64_t t = 0; t < W; ++t) p2[r][k][t] = p[r * p_stride + k * block_row + t % H];
+  int64_t d = 0;
+  for (; d + 2 * DT <= D; d += 2 * DT) {
+    VecF a[RT][DT];
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DT; ++u) a[r][u] = VecF::loadu(acc + r * acc_stride + (d / 2 + u) * W);
+    for (int64_t k = 0; k < nb; ++k) {
+      VecF v[DT];
+      for (int u = 0; u < DT; ++u) v[u] = load_f32(src[k] + (d + 2 * u) * H);
+      for (int r = 0; r < RT; ++r) {
+        const VecF pv = in_register(VecF::loadu(p2[r][k]));
+        for (int u = 0; u < DT; ++u) a[r][u] = at::vec::fmadd(v[u], pv, a[r][u]);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DT; ++u) a[r][u].store(acc + r * acc_stride + (d / 2 + u) * W);
+  }
+  for (; d < D; d += 2) {  // D % 4 == 2
+    for (int r = 0; r < RT; ++r) {
+      VecF a = VecF::loadu(acc + r * acc_stride + d / 2 * W);
+      for (int64_t k = 0; k < nb; ++k)
+        a = at::vec::fmadd(load_f32(src[k] + d * H), VecF::loadu(p2[r][k]), a);
+      a.store(acc + r * acc_stride + d / 2 * W);
+    }
+  }
+}
+
+// out[d] = sum of lanes [0, W / 2) of acc[(d / 2) * W] for even d, of lanes [W / 2, W) for odd
+// d (pv_half_tile's accumulators).
+inline void reduce_acc_halves(const float* acc, float* out, int64_t D) {
+  for (int64_t d = 0; d < D; d += 2) {
+    alignas(64) float lanes[W];
+    VecF::loadu(acc + d / 2 * W).store(lanes);
+    float lo = 0.f, hi = 0.f;
+    for (int64_t i = 0; i < W / 2; ++i) {
+      lo += lanes[i];
+      hi += lanes[W / 2 + i];
+    }
+    out[d] = lo;
+    out[d + 1] = hi;
+  }
+}
+
 // out[d] = sum of the W lanes of acc[d].
 inline void reduce_acc(const float* acc, float* out, int64_t D) {
   int64_t d = 0;

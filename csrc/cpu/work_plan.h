@@ -14,7 +14,10 @@ inline namespace CPU_CAPABILITY {
 // Blocks per softmax step (see the block loop of attention_impl): at most kGroup, and about
 // kGroupTokens tokens, so that a group's K and V and the next group's, prefetched meanwhile,
 // stay well inside L2 whatever the block size.
-constexpr int64_t kGroup = 4;
+#ifndef PAGED_OPS_GROUP_BLOCKS
+#define PAGED_OPS_GROUP_BLOCKS 4
+#endif
+constexpr int64_t kGroup = PAGED_OPS_GROUP_BLOCKS;
 #ifndef PAGED_OPS_GROUP_TOKENS
 #define PAGED_OPS_GROUP_TOKENS 128
 #endif
