@@ -259,6 +259,23 @@ def parse_shapes(text):
     return shapes
 
 
+# The builds paged_ops selected at import (on an AVX-512 CPU two, by block size).
+SELECTION = paged_ops._selection
+
+
+def selection_name():
+    main, small = SELECTION
+    return f"{main} ({small[0]} for bs <= {small[1]})" if small else main
+
+
+def use_variant(variant):
+    """Switch to a build by name, or back to the import-time selection ("selected")."""
+    if variant == "selected":
+        paged_ops.set_cpu_kernel_variant(SELECTION[0], small_blocks=SELECTION[1])
+    elif variant is not None:
+        paged_ops.set_cpu_kernel_variant(variant)
+
+
 def parse_variants(text, device):
     if device != "cpu":
         return [None]
@@ -266,7 +283,7 @@ def parse_variants(text, device):
     if text == "all":
         return supported
     if text == "selected":
-        return [paged_ops.cpu_kernel_variant()]
+        return ["selected"]
     names = text.split(",")
     bad = [n for n in names if n not in supported]
     if bad:
@@ -321,8 +338,7 @@ def _grid_rows(caches, dname, shapes, heads, head_size, variants, bw, baseline, 
         # Every other shape times the builds in reverse order: the one timed first in a round
         # can measure a few % apart from the others whatever it is.
         for variant in variants if si % 2 == 0 else variants[::-1]:
-            if variant is not None:
-                paged_ops.set_cpu_kernel_variant(variant)
+            use_variant(variant)
             t = time_rotating(run, len(layers), device, min_time, min_reps)
             gbs = nbytes / t / 1e9
             row = dict(device=device, section=label, variant=variant or device, dtype=dname,
@@ -620,7 +636,7 @@ def run_benchmark(a):
         return rows
     device = a.device
     info = machine_info()
-    selected = paged_ops.cpu_kernel_variant()
+    selected = "selected"
     variants = parse_variants(a.variants, device)
     bws = []
 
@@ -635,7 +651,7 @@ def run_benchmark(a):
     print(f"paged_ops attention benchmark on {device}: {info['cpu']} ({info['cores']} CPUs), "
           f"{info['date']}, commit {info['commit']}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU kernel builds "
-          f"{variants} (selected at import: {selected}), caches cycled over >= "
+          f"{variants} (selected at import: {selection_name()}), caches cycled over >= "
           f"{a.cache_gib:g} GiB")
     try:
         num_heads, num_kv_heads = (int(x) for x in a.heads.split("/"))
@@ -661,13 +677,13 @@ def run_benchmark(a):
         rows += bench_grid(device, dtypes, block_sizes, shapes, variants=variants,
                            baseline=not a.no_baseline, label="grid", **common)
         if not a.no_extras:
-            paged_ops.set_cpu_kernel_variant(selected)
-            print(f"small work (per-call overhead; one layer, cached), {selected}:")
+            use_variant(selected)
+            print(f"small work (per-call overhead; one layer, cached), {selection_name()}:")
             rows += bench_grid(device, dtypes[:1], [16], [(1, 128), (256, 64)],
                                variants=[selected], baseline=False, label="small work",
                                rotate=False, **common)
             # Real decode lengths are rarely whole blocks: the last block is partly visible.
-            print(f"odd lengths (a partly visible last block), {selected}:")
+            print(f"odd lengths (a partly visible last block), {selection_name()}:")
             rows += bench_grid(device, dtypes, [16], [(256, 63), (8, 2047)],
                                variants=[selected], baseline=False, label="odd lengths",
                                **common)
@@ -675,7 +691,7 @@ def run_benchmark(a):
             print(f"copy bandwidth (read + write): {bw_copy:.1f} GB/s")
             rows += bench_cache_write_rows(device, [d for d in dtypes if DTYPES[d] not in FP8],
                                            bw_copy)
-        paged_ops.set_cpu_kernel_variant(selected)
+        use_variant(selected)
         print(f"read bandwidth over the run: {min(bws):.1f}-{max(bws):.1f} GB/s "
               f"(median {statistics.median(bws):.1f}, {len(bws)} measurements)")
         print(summary_tables(rows, shapes))

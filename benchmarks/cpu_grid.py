@@ -9,7 +9,8 @@ bandwidth (torch.sum over the same amount) is timed in the same rounds.
     python benchmarks/cpu_grid.py --kernels avx2,avx512_bf16,old=/tmp/base/_cpu_avx2.so \
         --dtypes bf16,fp8_e4m3 --block-sizes 16,128 --shapes 8x2048
 
---kernels: names of the package's builds (paged_ops.supported_cpu_kernel_variants()) or
+--kernels: names of the package's builds (paged_ops.supported_cpu_kernel_variants()), "selected"
+(the builds chosen at import, by block size) or
 name=path of another kernel library (a build of another revision, e.g. by ab_kernels.py).
 Prints GB/s (K and V read once per call), its share of the read bandwidth, and each kernel's
 time relative to the first kernel's.
@@ -52,10 +53,13 @@ def kernel_tables(spec):
 
 
 kernel_tables.libs = []
+SELECTION = paged_ops._selection
 
 
 def use(kernel):
-    if isinstance(kernel, str):
+    if kernel == "selected":  # the builds chosen at import (two on AVX-512 CPUs, by block size)
+        paged_ops.set_cpu_kernel_variant(SELECTION[0], small_blocks=SELECTION[1])
+    elif isinstance(kernel, str):
         paged_ops.set_cpu_kernel_variant(kernel)
     else:
         assert paged_ops._C_LIB.paged_ops_set_cpu_kernel_table(ctypes.c_void_p(kernel)) == 0
@@ -87,7 +91,7 @@ def main(argv=None):
     H, Hkv = map(int, args.heads.split(","))
     D = 128
     kernels = kernel_tables(args.kernels)
-    before = paged_ops.cpu_kernel_variant()
+    before = "selected"
     big = torch.ones(int(args.gib * 2**30) // 4, dtype=torch.float32)
     print(f"{args.threads} threads, {H}q/{Hkv}kv, head size {D}, caches cycled over >= "
           f"{args.gib} GiB; median of {args.reps} interleaved rounds; x: time of the first "

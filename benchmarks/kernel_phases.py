@@ -195,7 +195,7 @@ def time_interleaved(tables, cases, reps):
     reverse order: the kernel timed first in a round measured 2-5% apart from the others,
     whichever it was."""
     setk = paged_ops._C_LIB.paged_ops_set_cpu_kernel_table
-    before = paged_ops.cpu_kernel_variant()
+    before = paged_ops._selection
     try:
         for r in range(reps):
             for run, n_calls, times in cases:
@@ -207,7 +207,7 @@ def time_interleaved(tables, cases, reps):
                         run()
                     times[name].append((time.perf_counter() - t0) / n_calls)
     finally:
-        paged_ops.set_cpu_kernel_variant(before)
+        paged_ops.set_cpu_kernel_variant(before[0], small_blocks=before[1])
 
 
 def main(argv=None):

@@ -45,7 +45,9 @@ __all__ = [
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _C_LIB = ctypes.CDLL(_C.__file__)  # the already-loaded extension, for its C entry points
 _C_LIB.paged_ops_cpu_kernel_name.restype = ctypes.c_char_p
+_C_LIB.paged_ops_cpu_kernel_name.argtypes = [ctypes.c_int64]
 _C_LIB.paged_ops_set_cpu_kernel_table.argtypes = [ctypes.c_void_p]
+_C_LIB.paged_ops_set_cpu_small_block_kernel_table.argtypes = [ctypes.c_void_p, ctypes.c_int64]
 _variant_libs = []  # keep loaded variant libraries alive
 
 
@@ -57,15 +59,20 @@ def built_with_cuda() -> bool:
 _VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16", "avx512_amx")  # in order of instruction sets
 
 # The builds an AVX-512 CPU can run, fastest first as measured on one (docs/cpu_kernel_selection.md:
-# a Sapphire Rapids Xeon, every cache dtype and block size 8-256, interleaved A/B): the AVX2 build
-# is selected there until an AVX-512 build measures faster.
-_AVX512_PREFERENCE = ["avx2", "avx512_bf16", "avx512", "avx512_amx"]
+# a Sapphire Rapids Xeon, every cache dtype and block size 8-256, interleaved A/B): the AVX-512
+# builds lead from block size 32 up, the AVX2 build below it (_SMALL_BLOCKS); the AMX build
+# measured no faster than avx512_bf16 on caches read from memory, so it runs only when asked for.
+_AVX512_PREFERENCE = ["avx512_bf16", "avx512", "avx2", "avx512_amx"]
+# Selected build -> (the build for small blocks, the largest block size it runs).
+_SMALL_BLOCKS = {"avx512_bf16": ("avx2", 16), "avx512": ("avx2", 16)}
+_selection: tuple = ("default", None)  # set_cpu_kernel_variant's arguments, for restoring
 
 
-def cpu_kernel_variant() -> str:
-    """The CPU attention kernel in use: ``"avx512_amx"``, ``"avx512_bf16"``, ``"avx512"``,
-    ``"avx2"`` or ``"default"``."""
-    return _C_LIB.paged_ops_cpu_kernel_name().decode()
+def cpu_kernel_variant(block_size: int | None = None) -> str:
+    """The CPU attention kernel build that runs calls of ``block_size`` (by default: of large
+    block sizes): ``"avx512_amx"``, ``"avx512_bf16"``, ``"avx512"``, ``"avx2"`` or
+    ``"default"``. On an AVX-512 CPU two builds share the work, by block size."""
+    return _C_LIB.paged_ops_cpu_kernel_name(block_size or 0).decode()
 
 
 def _variant_library(name: str) -> str | None:
@@ -95,26 +102,42 @@ def supported_cpu_kernel_variants() -> list[str]:
     return built + ["default"]
 
 
-def set_cpu_kernel_variant(name: str) -> None:
-    """Switch the CPU attention kernel to ``name`` (one of :func:`supported_cpu_kernel_variants`).
-
-    Meant for tests and benchmarks; at import the fastest supported variant is chosen, or the
-    one the environment variable ``PAGED_OPS_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16``
-    names when set (a cap: where the CPU or the build lacks it, the highest supported instruction
-    set below it).
-    """
+def _kernel_table(name: str):
+    """The kernel table of build ``name`` (None: the built-in default one)."""
     if name not in supported_cpu_kernel_variants():
         raise ValueError(f"CPU kernel variant {name!r} is not available here; "
                          f"supported: {supported_cpu_kernel_variants()}")
     if name == "default":
-        _C_LIB.paged_ops_set_cpu_kernel_table(None)
-        return
+        return None
     path = _variant_library(name)
     lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
     lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
-    if _C_LIB.paged_ops_set_cpu_kernel_table(lib.paged_ops_cpu_kernel_table()) != 0:
-        raise RuntimeError(f"{path} is from an incompatible build; rebuild paged_ops")
     _variant_libs.append(lib)
+    return lib.paged_ops_cpu_kernel_table()
+
+
+def set_cpu_kernel_variant(name: str, *, small_blocks: tuple[str, int] | None = None) -> None:
+    """Switch the CPU attention kernel to ``name`` (one of :func:`supported_cpu_kernel_variants`)
+    for every block size, or with ``small_blocks=(other, max_block_size)`` to ``other`` for
+    calls of block size up to ``max_block_size``.
+
+    Meant for tests and benchmarks; at import the fastest supported builds are chosen, or the
+    one the environment variable
+    ``PAGED_OPS_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16|avx512_amx`` names when set, for
+    every block size (a cap: where the CPU or the build lacks it, the highest supported
+    instruction set below it).
+    """
+    global _selection
+    table = _kernel_table(name)
+    small = _kernel_table(small_blocks[0]) if small_blocks else None
+    if _C_LIB.paged_ops_set_cpu_kernel_table(table) != 0:
+        raise RuntimeError(f"{_variant_library(name)} is from an incompatible build; "
+                           "rebuild paged_ops")
+    if small_blocks:
+        if _C_LIB.paged_ops_set_cpu_small_block_kernel_table(small, int(small_blocks[1])) != 0:
+            raise RuntimeError(f"{_variant_library(small_blocks[0])} is from an incompatible "
+                               "build; rebuild paged_ops")
+    _selection = (name, tuple(small_blocks) if small_blocks else None)
 
 
 def _select_cpu_kernels() -> None:
@@ -128,7 +151,11 @@ def _select_cpu_kernels() -> None:
         cap = _VARIANT_NAMES.index(cap_env)
         variants = sorted((v for v in variants if _VARIANT_NAMES.index(v) <= cap),
                           key=_VARIANT_NAMES.index, reverse=True)
-    set_cpu_kernel_variant(variants[0])
+        set_cpu_kernel_variant(variants[0])
+        return
+    small = _SMALL_BLOCKS.get(variants[0])
+    set_cpu_kernel_variant(variants[0], small_blocks=small if small and small[0] in variants
+                           else None)
 
 
 _select_cpu_kernels()

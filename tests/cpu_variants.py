@@ -134,9 +134,9 @@ def _set(name):
 def use(name):
     """Runs the body with the CPU attention kernel `name` (one of VARIANTS), then restores the
     kernel that was in use."""
-    before = paged_ops.cpu_kernel_variant()
+    before = paged_ops._selection  # the builds in use (by block size)
     _set(name)
     try:
         yield name
     finally:
-        _set(before)
+        paged_ops.set_cpu_kernel_variant(before[0], small_blocks=before[1])

@@ -25,16 +25,49 @@ def test_default_is_the_fastest_supported():
     assert res.stdout.strip() == paged_ops.supported_cpu_kernel_variants()[0]
 
 
-def test_avx2_is_selected_on_avx512_cpus(monkeypatch):
-    # Measured: neither AVX-512 build is faster than the AVX2 one on an AVX-512 CPU (a
-    # Sapphire Rapids Xeon: slower at block size 8, 16 and for fp8, even elsewhere), so AVX2
-    # comes first; the AVX-512 builds stay available by name and by the cap.
+def test_avx512_cpus_run_avx2_for_small_blocks(monkeypatch):
+    # Measured on an AVX-512 CPU (a Sapphire Rapids Xeon, every cache dtype and block size
+    # 8-256): the AVX-512 builds lead from block size 32 up, AVX2 at 8 and 16; the AMX build
+    # is no faster from memory and runs only when asked for.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability",
                         lambda: {"avx512_bf16": True, "amx_tile": True, "amx_bf16": True})
-    built = [v for v in ("avx2", "avx512_bf16", "avx512", "avx512_amx")
+    built = [v for v in ("avx512_bf16", "avx512", "avx2", "avx512_amx")
              if paged_ops._variant_library(v)]
     assert paged_ops.supported_cpu_kernel_variants() == built + ["default"]
+    assert paged_ops._SMALL_BLOCKS == {"avx512_bf16": ("avx2", 16), "avx512": ("avx2", 16)}
+
+
+def test_the_build_follows_the_block_size():
+    code = ("import paged_ops as p; print(p.cpu_kernel_variant(), *(p.cpu_kernel_variant(b) "
+            "for b in (8, 16, 32, 256)))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    main, *by_bs = res.stdout.split()
+    small = paged_ops._SMALL_BLOCKS.get(main)
+    if small is None or small[0] not in paged_ops.supported_cpu_kernel_variants():
+        assert by_bs == [main] * 4
+    else:
+        assert by_bs == [small[0], small[0], main, main] and small[1] == 16
+    # A build asked for by name (tests, benchmarks) runs every block size; the selection
+    # comes back as it was.
+    before = paged_ops._selection
+    try:
+        paged_ops.set_cpu_kernel_variant("default")
+        assert {paged_ops.cpu_kernel_variant(b) for b in (0, 8, 16, 256)} == {"default"}
+        paged_ops.set_cpu_kernel_variant("default", small_blocks=(main, 16))
+        assert [paged_ops.cpu_kernel_variant(b) for b in (8, 16, 17)] == [main, main, "default"]
+    finally:
+        paged_ops.set_cpu_kernel_variant(before[0], small_blocks=before[1])
+    assert paged_ops._selection == before
+
+
+def test_a_capability_cap_runs_one_build_everywhere():
+    code = "import paged_ops as p; print(*{p.cpu_kernel_variant(b) for b in (8, 16, 32, 256)})"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PAGED_OPS_CPU_CAPABILITY": "avx512_amx"})
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.split()) == 1
 
 
 ISA_ORDER = ["default", "avx2", "avx512", "avx512_bf16", "avx512_amx"]
@@ -72,7 +105,7 @@ def test_bf16_and_amx_builds_only_where_the_cpu_has_them(monkeypatch, bf16, amx)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability",
                         lambda: {"avx512_bf16": bf16, "amx_tile": amx, "amx_bf16": amx})
-    built = [v for v in ("avx2", "avx512_bf16", "avx512", "avx512_amx")
+    built = [v for v in ("avx512_bf16", "avx512", "avx2", "avx512_amx")
              if paged_ops._variant_library(v)]
     expect = [v for v in built
               if (bf16 or v not in ("avx512_bf16", "avx512_amx")) and (amx or v != "avx512_amx")]

@@ -22,10 +22,23 @@ const KernelTable* default_kernel_table();  // kernels_default.cpp
 namespace {
 
 std::atomic<const KernelTable*> g_kernels{nullptr};
+// Calls with block_size <= g_small_max_block_size run on g_small_kernels: on a CPU where one
+// build is faster at small blocks and another at large ones, each runs where it measured
+// faster (docs/cpu_kernel_selection.md). Unset (0, null) by paged_ops_set_cpu_kernel_table.
+std::atomic<const KernelTable*> g_small_kernels{nullptr};
+std::atomic<int64_t> g_small_max_block_size{0};
 
 const KernelTable* kernels() {
   const KernelTable* t = g_kernels.load(std::memory_order_acquire);
   return t ? t : default_kernel_table();
+}
+
+const KernelTable* kernels(int64_t block_size) {
+  if (block_size <= g_small_max_block_size.load(std::memory_order_acquire)) {
+    const KernelTable* t = g_small_kernels.load(std::memory_order_acquire);
+    if (t != nullptr) return t;
+  }
+  return kernels();
 }
 
 // The CPU part of attention / attention_out (attention_op.h): the index checks, then the kernel.
@@ -43,7 +56,7 @@ void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims&
   p.k_scale = fp8 ? host_scale(*a.k_scale) : 1.f;
   p.v_scale = fp8 ? host_scale(*a.v_scale) : 1.f;
   p.num_threads = at::get_num_threads();
-  kernels()->attention(p);
+  kernels(d.cache.block_size)->attention(p);
 }
 
 using Op = AttentionOp<Backend::CPU, &run_attention>;
@@ -52,18 +65,34 @@ using Op = AttentionOp<Backend::CPU, &run_attention>;
 
 }  // namespace paged::cpu
 
-// Switch the attention kernel to a capability variant (called once from paged_ops/__init__.py
-// through ctypes); null restores the built-in default kernel. Returns 0 on success, -1 if the
-// table is from an incompatible build.
+// Switch the attention kernel to a capability variant (called from paged_ops/__init__.py
+// through ctypes); null restores the built-in default kernel. Sets the one kernel build run by
+// calls of every block size. Returns 0 on success, -1 if the table is from an incompatible
+// build.
 extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_kernel_table(
     const paged::cpu::KernelTable* table) {
   if (table != nullptr && table->abi_version != paged::cpu::kKernelAbiVersion) return -1;
+  paged::cpu::g_small_max_block_size.store(0, std::memory_order_release);
+  paged::cpu::g_small_kernels.store(nullptr, std::memory_order_release);
   paged::cpu::g_kernels.store(table, std::memory_order_release);
   return 0;
 }
 
-extern "C" __attribute__((visibility("default"))) const char* paged_ops_cpu_kernel_name() {
-  return paged::cpu::kernels()->name;
+// After paged_ops_set_cpu_kernel_table: calls with block_size <= max_block_size run on `table`
+// instead (null: the built-in default kernel). Same return values.
+extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_small_block_kernel_table(
+    const paged::cpu::KernelTable* table, int64_t max_block_size) {
+  if (table != nullptr && table->abi_version != paged::cpu::kKernelAbiVersion) return -1;
+  paged::cpu::g_small_kernels.store(table ? table : paged::cpu::default_kernel_table(),
+                                    std::memory_order_release);
+  paged::cpu::g_small_max_block_size.store(max_block_size, std::memory_order_release);
+  return 0;
+}
+
+// The kernel build that runs calls of block size `block_size` (0: the one for large blocks).
+extern "C" __attribute__((visibility("default"))) const char* paged_ops_cpu_kernel_name(
+    int64_t block_size) {
+  return (block_size > 0 ? paged::cpu::kernels(block_size) : paged::cpu::kernels())->name;
 }
 
 // The head sizes (which = 0) or block sizes (which = 1) of cuda_sizes.h, for the tests (through
