@@ -56,7 +56,8 @@ def built_with_cuda() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("paged::attention", "CUDA")
 
 
-_VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16", "avx512_amx")  # in order of instruction sets
+# In order of instruction sets.
+_VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16", "avx512_amx")
 
 # The builds an AVX-512 CPU can run, fastest first as measured on one (docs/cpu_kernel_selection.md:
 # a Sapphire Rapids Xeon, every cache dtype and block size 8-256, interleaved A/B): the AVX-512
