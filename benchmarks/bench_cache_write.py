@@ -14,11 +14,13 @@ worker makes the others wait (or spin) and both clocks suffer.
     python benchmarks/bench_cache_write.py                  # all rows, torch's thread count
     python benchmarks/bench_cache_write.py --threads 1      # per-core ratios on a noisy machine
     python benchmarks/bench_cache_write.py --cases fp32,bf16
+    python benchmarks/bench_cache_write.py --block-sizes 8,16,32,64,128,256
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -60,18 +62,19 @@ def copy_bandwidth(min_time=1.0):
     return nbytes / wall / 1e9, nbytes / max(cpu, 1e-9) / 1e9
 
 
-def case(name, ntok, seed=0):
+def case(name, ntok, bs=16, seed=0):
     in_dtype, cache_dtype = CACHE_DTYPES[name]
-    H, D, bs = 8, 128, 16
+    H, D = 8, 128
     g = torch.Generator().manual_seed(seed)
-    nb = ntok + 64  # room for one block per decode token
+    # Room for one block per decode token, or for the prompt's blocks.
+    nb = (ntok if ntok != 8192 else -(-ntok // bs)) + 64
     kc, vc = paged_ops.allocate_kv_cache(nb, H, D, bs, cache_dtype)
     kc.view(torch.uint8).zero_()
     vc.view(torch.uint8).zero_()
     k = torch.randn(ntok, H, D, generator=g).to(in_dtype)
     v = torch.randn(ntok, H, D, generator=g).to(in_dtype)
     if ntok == 8192:  # a prompt fills whole blocks in order of its block table
-        blocks = torch.randperm(nb, generator=g)[: ntok // bs]
+        blocks = torch.randperm(nb, generator=g)[: -(-ntok // bs)]
         slots = blocks.repeat_interleave(bs) * bs + torch.arange(ntok) % bs
     else:  # one token per sequence, each in its own scattered block
         slots = torch.randperm(nb, generator=g)[:ntok] * bs + torch.randint(
@@ -87,6 +90,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CACHE_DTYPES), help="comma list of "
                    + ",".join(CACHE_DTYPES))
+    p.add_argument("--block-sizes", default="16", help="comma list, e.g. 8,16,32,64,128,256")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--min-time", type=float, default=0.3)
     a = p.parse_args(argv)
@@ -96,19 +100,20 @@ def main(argv=None):
     print(f"reshape_and_cache CPU: torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"copy bandwidth (read + write): {bw_wall:.1f} GB/s wall, {bw_cpu:.1f} GB/s per "
           "second of thread time")
-    for name in a.cases.split(","):
-        for label, ntok in (("decode B=256", 256), ("prefill 8192", 8192)):
-            (k, v, kc, vc, slots, scales), nbytes = case(name, ntok)
+    for name, bs, (label, ntok) in itertools.product(
+            a.cases.split(","), map(int, a.block_sizes.split(",")),
+            (("decode B=256", 256), ("prefill 8192", 8192))):
+        (k, v, kc, vc, slots, scales), nbytes = case(name, ntok, bs)
 
-            def fn():
-                torch.ops.paged.reshape_and_cache(k, v, kc, vc, slots, scales.get("k_scale"),
-                                                  scales.get("v_scale"))
+        def fn():
+            torch.ops.paged.reshape_and_cache(k, v, kc, vc, slots, scales.get("k_scale"),
+                                              scales.get("v_scale"))
 
-            wall, cpu = timeit(fn, min_time=a.min_time)
-            gw, gc = nbytes / wall / 1e9, nbytes / max(cpu, 1e-9) / 1e9
-            print(f"  {name:8s} {label:13s} {wall * 1e6:9.1f} us wall {gw:7.2f} GB/s "
-                  f"{100 * gw / bw_wall:6.1f}% of copy | thread {cpu * 1e6:9.1f} us "
-                  f"{100 * gc / bw_cpu:6.1f}% of copy", flush=True)
+        wall, cpu = timeit(fn, min_time=a.min_time)
+        gw, gc = nbytes / wall / 1e9, nbytes / max(cpu, 1e-9) / 1e9
+        print(f"  {name:8s} bs {bs:3d} {label:13s} {wall * 1e6:9.1f} us wall {gw:7.2f} GB/s "
+              f"{100 * gw / bw_wall:6.1f}% of copy | thread {cpu * 1e6:9.1f} us "
+              f"{100 * gc / bw_cpu:6.1f}% of copy", flush=True)
 
 
 if __name__ == "__main__":
