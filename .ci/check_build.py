@@ -23,6 +23,7 @@ expected = (mode != "0" and torch.version.cuda is not None and nvcc is not None
             and has_cuda_sources)
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), nvcc: {nvcc}, "
       f"PAGED_OPS_BUILD_CUDA={mode}: CUDA kernels expected={expected}, "
-      f"built={paged_ops.built_with_cuda()}, CPU kernel={paged_ops.cpu_kernel_variant()}")
+      f"built={paged_ops.built_with_cuda()}, CPU kernel={paged_ops.cpu_kernel_variant()} "
+      f"(block size 16: {paged_ops.cpu_kernel_variant(16)})")
 if expected and not paged_ops.built_with_cuda():
     sys.exit("CUDA kernels were expected in this build but are missing")
