@@ -8,7 +8,7 @@
 // busy, long sequences are split over threads and the partial softmax states merged exactly
 // (flash-decoding), then the kv heads. Multi-token items take one kv head. Blocks are read
 // straight from the cache through the block table (no gathered copy) with a blockwise online
-// softmax (docs/concepts.md):
+// softmax (docs/concepts.md), each row's max m and sum l in a SoftmaxState (softmax.h):
 //   m_new = max(m, max_t z_t);  l = l * e^(m - m_new) + sum_t e^(z_t - m_new);
 //   acc = acc * e^(m - m_new) + sum_t e^(z_t - m_new) v_t.
 // Positions that are not visible (past seq_len in the last block, before the sliding window)
@@ -17,9 +17,10 @@
 // Reading order: make_plan cuts the call into items, item_info says what an item covers
 // (work_plan.h), and ItemWorker (here) runs an item on one thread: start (query rows), then for
 // each group of blocks and each kv head group_blocks (what to read and prefetch), logits (q.k,
-// qk_tile in qk.h), softmax (softmax_step, softmax.h) and pv (pv_group, pv.h), and finish
-// (normalise, or store a split's partial state for merge_splits). Loads of cache elements as
-// fp32 lanes and prefetches: element_loads.h; the fp8 formats: fp8.h.
+// qk_tile in qk.h), softmax (SoftmaxState::step, softmax.h) and pv (pv_group, pv.h), and
+// finish (normalise, or store a split's partial state for merge_splits, which combines them
+// with SoftmaxState::merge). Loads of cache elements as fp32 lanes and prefetches:
+// element_loads.h; the fp8 formats: fp8.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -70,7 +71,7 @@ inline namespace CPU_CAPABILITY {
 
 // Per-thread scratch, grown on demand and reused across calls (no allocation per block or call
 // once warm). R = query rows of one kv head of a work item (tokens x GQA group), HR = rows of
-// all its kv heads: the state that lives through the item (qrep, acc, m, l) has HR rows, the
+// all its kv heads: the state that lives through the item (qrep, acc, state) has HR rows, the
 // per-step buffers R.
 struct Scratch {
   std::vector<float> qrep;  // [HR][D/x][q_repeat]: q chunk c (pre-scaled) repeated to q_repeat
@@ -78,12 +79,12 @@ struct Scratch {
   std::vector<float> p;  // [R][kGroup * block_row] logits, then probabilities of a group
   std::vector<float> acc;    // [HR][D][W] running sum of p * v, lanes not yet summed (lane_acc)
   std::vector<float> ot;     // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
-  std::vector<float> alpha;  // [HR] the group's rescale factor of each row's sum (softmax_step)
+  std::vector<float> alpha;  // [HR] the group's rescale factor of each row's sum (step)
   std::vector<float> o;      // [HR][D] the sum of p * v in rows, at the end of an item
   std::vector<float> qf;     // [D] one query row in fp32, pre-scaled (to fill qrep)
   std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
   std::vector<uint8_t> vraw;  // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
-  std::vector<float> m, l;   // [HR] running max / normalizer
+  std::vector<SoftmaxState> state;  // [HR] running max and normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
   // The AMX path (Layout::amx, amx_attention.h):
   std::vector<uint16_t> qtiles;  // [nh][R / 4][D / 8][512] query operands of q.k
@@ -174,7 +175,7 @@ struct GroupBlocks {
 
 // The work of one thread on its items: the per-item state lives in the thread's Scratch.
 // Rows of each kv head are token-major, head-minor (R per kv head; the state of kv head
-// it.kvh + hl is rows [hl * R, (hl + 1) * R) of qrep, acc, m and l).
+// it.kvh + hl is rows [hl * R, (hl + 1) * R) of qrep, acc and state).
 template <typename QT, typename CT>
 struct ItemWorker {
   const AttentionParams& P;
@@ -211,8 +212,7 @@ struct ItemWorker {
     grow(scratch.qf, layout.D);
     grow(scratch.vtmp, kGroup * layout.D * layout.bs);
     grow(scratch.vraw, kGroup * layout.D * layout.bs * static_cast<int64_t>(sizeof(CT)));
-    grow(scratch.m, HR_max);
-    grow(scratch.l, HR_max);
+    grow(scratch.state, HR_max);
     scratch.row_P.resize(R_max);
     scratch.row_lo.resize(R_max);
   }
@@ -262,7 +262,7 @@ struct ItemWorker {
   }
 
   // Starts item `info`: visible ranges of its rows, query rows (pre-scaled, chunks repeated
-  // across lanes for q.k), running max and normalizer.
+  // across lanes for q.k), empty softmax states.
   void start(const ItemInfo& info) {
     it = info;
     const int64_t G = layout.G, D = layout.D, q_repeat = layout.q_repeat;
@@ -278,8 +278,7 @@ struct ItemWorker {
     for (int64_t hr = 0; hr < it.nh * R; ++hr) {
       const int64_t r = hr % R, j = it.j0 + r / G, h = (it.kvh + hr / R) * G + r % G;
       const QT* q = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
-      scratch.m[hr] = -std::numeric_limits<float>::infinity();
-      scratch.l[hr] = 0.f;
+      scratch.state[hr] = SoftmaxState{};
       if (layout.amx) continue;  // the query operands are packed below
       if constexpr (std::is_same_v<QT, c10::BFloat16>) {
         if (layout.dot_bf16) {  // each chunk's x bf16 values as they are, repeated to 2 W
@@ -452,10 +451,9 @@ struct ItemWorker {
       for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
         prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % kGroup]) + i / kGroup * vpf_stride);
       if (!PAGED_OPS_PHASE_SM) continue;
-      scratch.alpha[hl * R + r] =
-          softmax_step(scratch.p.data() + r * layout.group_row, n, scratch.m[hl * R + r],
-                       scratch.l[hl * R + r], acc_h ? acc_h + r * layout.acc_row : nullptr,
-                       layout.D * W);
+      scratch.alpha[hl * R + r] = scratch.state[hl * R + r].step(
+          scratch.p.data() + r * layout.group_row, n,
+          acc_h ? acc_h + r * layout.acc_row : nullptr, layout.D * W);
     }
   }
 
@@ -586,13 +584,12 @@ struct ItemWorker {
           else reduce_acc(acc, o_h + r * D, D);
         }
       }
-      const float* m_h = scratch.m.data() + hl * R;
-      const float* l_h = scratch.l.data() + hl * R;
+      const SoftmaxState* st_h = scratch.state.data() + hl * R;
       if (plan.splits > 1) {
         const int64_t part = (it.s * P.num_kv_heads + kvh) * plan.splits + it.split;
         for (int64_t g = 0; g < G; ++g) {
-          part_ml[(part * G + g) * 2] = m_h[g];
-          part_ml[(part * G + g) * 2 + 1] = l_h[g];
+          part_ml[(part * G + g) * 2] = st_h[g].max;
+          part_ml[(part * G + g) * 2 + 1] = st_h[g].sum;
           std::copy(o_h + g * D, o_h + g * D + D, part_o + (part * G + g) * D);
         }
         continue;
@@ -601,16 +598,15 @@ struct ItemWorker {
         const int64_t j = it.j0 + r / G, g = r % G;
         QT* o = o_base + (it.row0 + (multi ? j : 0)) * P.out_stride_seq +
                 (kvh * G + g) * P.out_stride_head;
-        // A row that sees nothing (seq_len 0) has l = 0: its output is 0.
-        store_scaled(o_h + r * D, l_h[r] > 0.f ? layout.v_scale / l_h[r] : 0.f, o, D);
+        store_scaled(o_h + r * D, st_h[r].output_scale(layout.v_scale), o, D);
       }
     }
   }
 };
 
-// Exact merge of the splits of each (sequence, kv head, row): m = max m_i,
-// l = sum l_i e^(m_i - m), o = sum o_i e^(m_i - m) / l. Empty splits (l_i = 0, m_i = -inf)
-// contribute nothing.
+// Exact merge of the splits of each (sequence, kv head, row) by SoftmaxState::merge: the
+// unnormalised outputs o summed with the weights it returns, then o / sum. Empty splits
+// (sum = 0, max = -inf, o = 0) contribute nothing.
 template <typename QT>
 void merge_splits(const AttentionParams& P, const Plan& plan, float v_scale,
                   const std::vector<float>& part_ml, const std::vector<float>& part_o) {
@@ -624,24 +620,29 @@ void merge_splits(const AttentionParams& P, const Plan& plan, float v_scale,
       const int64_t g = w % G;
       const int64_t pair = w / G;  // s * num_kv_heads + kvh
       const int64_t s = pair / P.num_kv_heads, kvh = pair % P.num_kv_heads;
-      float m = -std::numeric_limits<float>::infinity();
+      const int64_t first = pair * plan.splits * G + g;  // row g of the pair's first split
+      auto state = [&](int64_t sp) {
+        const float* ml = part_ml.data() + (first + sp * G) * 2;
+        return SoftmaxState{ml[0], ml[1]};
+      };
+      // The merged max first: each split's output is then weighted once, by e^(max_i - max)
+      // (merge leaves st's weight at 1), whatever order the maxima come in.
+      SoftmaxState st;  // sum 0 until the first non-empty split
       for (int64_t sp = 0; sp < plan.splits; ++sp) {
-        const int64_t it = pair * plan.splits + sp;
-        if (part_ml[(it * G + g) * 2 + 1] > 0.f) m = std::max(m, part_ml[(it * G + g) * 2]);
+        const SoftmaxState si = state(sp);
+        if (!si.empty()) st.max = std::max(st.max, si.max);
       }
-      float l = 0.f;
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t sp = 0; sp < plan.splits; ++sp) {
-        const int64_t it = pair * plan.splits + sp;
-        const float li = part_ml[(it * G + g) * 2 + 1];
-        if (li <= 0.f) continue;
-        const float w_i = std::exp(part_ml[(it * G + g) * 2] - m);
-        l += li * w_i;
-        const float* oi = part_o.data() + (it * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += oi[d] * w_i;
+        const MergeWeights mw = st.merge(state(sp));
+        if (mw.other == 0.f) continue;  // nothing to add (then mw.self is 1)
+        if (mw.self != 1.f)
+          for (int64_t d = 0; d < D; ++d) acc[d] *= mw.self;
+        const float* oi = part_o.data() + (first + sp * G) * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += oi[d] * mw.other;
       }
       QT* o = o_base + s * P.out_stride_seq + (kvh * G + g) * P.out_stride_head;
-      store_scaled(acc.data(), l > 0.f ? v_scale / l : 0.f, o, D);
+      store_scaled(acc.data(), st.output_scale(v_scale), o, D);
     }
   });
 }
@@ -650,8 +651,9 @@ template <typename QT, typename CT>
 void attention_impl(const AttentionParams& P) {
   const Plan plan = make_plan(P);
   const Layout<CT> layout(P, plan.tokens_per_chunk * (P.num_heads / P.num_kv_heads));
-  // Split-K partial states, per (sequence, kv head, split): [G] of (m, l), [G][D] of
-  // unnormalised output. finish writes every one (an empty split: m = -inf, l = 0, o = 0).
+  // Split-K partial states, per (sequence, kv head, split): [G] of a SoftmaxState's (max, sum),
+  // [G][D] of unnormalised output. finish writes every one (an empty split: the empty state,
+  // o = 0).
   std::vector<float>& part_ml = call_scratch().part_ml;
   std::vector<float>& part_o = call_scratch().part_o;
   if (plan.splits > 1) {

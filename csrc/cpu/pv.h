@@ -70,9 +70,9 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 //   per row, where per-lane accumulators kept across groups would be D * W floats per row,
 //   loaded and stored from L2 (figures: benchmarks/RESULTS.md).
 // - 16 lanes (kLaneAcc): the accumulators are kept across groups in acc (W lanes per d,
-//   rescaled by softmax_step) and summed into o only on the item's last group (last; an item
-//   of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only; with 16
-//   it would sum each accumulator on its own, 8 per 32 FMAs at block size 16.
+//   rescaled by SoftmaxState::step) and summed into o only on the item's last group (last;
+//   an item of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only;
+//   with 16 it would sum each accumulator on its own, 8 per 32 FMAs at block size 16.
 // next[k]: the blocks to prefetch. init: an item's first group (o and acc are written, not
 // read). NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb.
 // NV = 4: any multiple of 4 vectors per V row (nv_in of them, block sizes 4 W and up), in
@@ -181,7 +181,7 @@ inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D
 // accumulator acc[(d / 2) * W] sum row d's products and lanes [W / 2, W) row d + 1's
 // (reduce_acc_halves). A tile of RT rows keeps DT accumulators each in registers over the nb
 // blocks of the group (one V load feeds RT FMAs); acc holds them between groups (rescaled by
-// softmax_step). Partly visible blocks arrive with their hidden columns zeroed.
+// SoftmaxState::step). Partly visible blocks arrive with their hidden columns zeroed.
 template <int RT, typename VT>
 inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64_t p_stride,
                          int64_t block_row, float* acc, int64_t acc_stride, int64_t D) {
