@@ -20,7 +20,9 @@
 // qk_tile in qk.h), softmax (SoftmaxState::step, softmax.h) and pv (pv_group, pv.h), and
 // finish (normalise, or store a split's partial state for merge_splits, which combines them
 // with SoftmaxState::merge). Loads of cache elements as fp32 lanes and prefetches:
-// element_loads.h; the fp8 formats: fp8.h.
+// element_loads.h; the fp8 formats: fp8.h; what an instruction set does its own way (fp8
+// decode, bf16 pairs, lane sums): isa.h, which picks isa_avx2.h, isa_avx512.h or the portable
+// versions in isa_portable.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -240,25 +242,8 @@ struct ItemWorker {
       std::memcpy(rp, qf, layout.D * sizeof(float));
       return;
     }
-    for (int64_t c = 0; c < layout.num_chunks; ++c, rp += q_repeat) {
-      const float* chunk = qf + c * x;
-#if defined(CPU_CAPABILITY_AVX2)  // the only capability where split_k is set
-      if (layout.split_k) {  // x == W: [even, even, odd, odd] elements of the chunk
-        const __m256 v = _mm256_loadu_ps(chunk);
-        const __m256 e = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
-        const __m256 o = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
-        _mm256_storeu_ps(rp, e);
-        _mm256_storeu_ps(rp + W, o);
-        continue;
-      }
-      if (x == 4 && q_repeat == 8) {  // fp32: the 4 elements in both halves
-        _mm256_storeu_ps(rp, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(chunk)));
-        continue;
-      }
-#endif
-      for (int64_t r = 0; r < q_repeat; r += x)  // x < q_repeat: the chunk repeated
-        for (int64_t i = 0; i < x; ++i) rp[r + i] = chunk[i];
-    }
+    for (int64_t c = 0; c < layout.num_chunks; ++c, rp += q_repeat)
+      fill_qrep_chunk(qf + c * x, rp, x, q_repeat, layout.split_k);  // x < q_repeat
   }
 
   // Starts item `info`: visible ranges of its rows, query rows (pre-scaled, chunks repeated

@@ -22,37 +22,10 @@ inline namespace CPU_CAPABILITY {
 // back into rows (rows_from_tiles).
 template <int RT, int DT>
 inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, bool init) {
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (RT == 4) {
-    static_assert(DT >= 1 && DT <= 3);
-    if constexpr (DT >= 2) {  // 8 sums [r0..r3 of d, r0..r3 of d + 1]
-      const VecF r[8] = {a[0][0], a[1][0], a[2][0], a[3][0], a[0][1], a[1][1], a[2][1], a[3][1]};
-      const __m256 sum = reduce_rows(r);
-      const __m128 al = _mm_loadu_ps(alpha);
-      _mm256_storeu_ps(o, init ? sum
-                               : _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set_m128(al, al), sum));
-    }
-    if constexpr (DT != 2) {  // 4 sums [r0..r3 of the last d]
-      constexpr int u = DT - 1;
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0][u], a[1][u]),
-                                      _mm256_hadd_ps(a[2][u], a[3][u]));
-      const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      float* ou = o + u * 4;
-      _mm_storeu_ps(ou, init ? sum : _mm_fmadd_ps(_mm_loadu_ps(ou), _mm_loadu_ps(alpha), sum));
-    }
+  if constexpr (kTileSumsByShuffles<RT, DT>) {  // AVX2
+    tile_sums_by_shuffles(a, o, alpha, init);
     return;
   }
-  if constexpr (RT == 1 && DT >= 2) {  // one hadd tree for the DT <= 3 vectors of the row
-    static_assert(DT <= 3);
-    const __m256 t01 = _mm256_hadd_ps(a[0][0], a[0][1]);
-    const __m256 t2 = DT == 3 ? _mm256_hadd_ps(a[0][DT - 1], a[0][DT - 1]) : t01;
-    const __m256 h = _mm256_hadd_ps(t01, t2);  // [s0 s1 s2 s2 | s0 s1 s2 s2] (low / high lanes)
-    float sum[4];
-    _mm_storeu_ps(sum, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    for (int u = 0; u < DT; ++u) o[u] = init ? sum[u] : o[u] * alpha[0] + sum[u];
-    return;
-  }
-#endif
   for (int u = 0; u < DT; ++u)
     for (int r = 0; r < RT; ++r) {
       const float sum = hsum(a[r][u]);

@@ -181,7 +181,7 @@ inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {
 }
 
 // z[t] = sum_i raw[t * X + i] for t < ntok. With X a constant the compiler vectorizes it with
-// permutes (checked in the AVX-512 build's code, where nothing below is written by hand).
+// permutes (checked in the AVX-512 build's code, which has no sum_lane_groups_by_shuffles).
 template <int X>
 inline void sum_lanes(const float* __restrict raw, int64_t ntok, float* __restrict z) {
   for (int64_t t = 0; t < ntok; ++t) {
@@ -193,32 +193,7 @@ inline void sum_lanes(const float* __restrict raw, int64_t ntok, float* __restri
 
 // z[t] = sum_i raw[t * x + i] for t < ntok: the per-token q.k dot products.
 inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z) {
-  int64_t t = 0;
-#if defined(CPU_CAPABILITY_AVX2)
-  if (x == 16) {  // two vectors per token (fp8)
-    for (; t + 8 <= ntok; t += 8) {
-      VecF r[8];
-      for (int k = 0; k < 8; ++k)
-        r[k] = VecF::loadu(raw + (t + k) * 16) + VecF::loadu(raw + (t + k) * 16 + 8);
-      reduce_rows(r).store(z + t);
-    }
-  } else if (x == 8) {  // one token per vector
-    for (; t + 8 <= ntok; t += 8) {
-      VecF r[8];
-      for (int k = 0; k < 8; ++k) r[k] = VecF::loadu(raw + (t + k) * 8);
-      reduce_rows(r).store(z + t);
-    }
-  } else if (x == 4) {  // two tokens per vector
-    for (; t + 8 <= ntok; t += 8) {
-      const float* b = raw + t * 4;
-      const __m256 h0 = _mm256_hadd_ps(VecF::loadu(b), VecF::loadu(b + 8));
-      const __m256 h1 = _mm256_hadd_ps(VecF::loadu(b + 16), VecF::loadu(b + 24));
-      const __m256 s = _mm256_hadd_ps(h0, h1);  // tokens [0, 2, 4, 6 | 1, 3, 5, 7]
-      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-      _mm256_storeu_ps(z + t, _mm256_permutevar8x32_ps(s, order));
-    }
-  }
-#endif
+  const int64_t t = sum_lane_groups_by_shuffles(raw, x, ntok, z);  // tokens [0, t) done
   // x is Layout::x_sum: x = 16 / sizeof(cache element) or half of it, so 4, 8 or 16.
   switch (x) {
     case 4: return sum_lanes<4>(raw + t * x, ntok - t, z + t);
