@@ -260,7 +260,8 @@ def parse_shapes(text):
 
 
 # The builds paged_ops selected at import (on an AVX-512 CPU two, by block size).
-SELECTION = paged_ops._selection
+# (peer_vllm_cpu.py loads this file without paged_ops: nothing then.)
+SELECTION = getattr(paged_ops, "_selection", None)
 
 
 def selection_name():
