@@ -457,14 +457,19 @@ struct ItemWorker {
       for (int64_t k = 0; k < nb; ++k)
         v_block_to_f32(g.v[k], scratch.vtmp.data() + k * D * bs, D, bs, g.t0[k], g.t1[k]);
     };
+    // The group's V blocks in the cache's type: in place, or the partly visible ones through
+    // a copy with the hidden columns zeroed.
+    auto in_own_type = [&](const CT** src) {
+      CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
+      for (int64_t k = 0; k < nb; ++k)
+        src[k] = g.t0[k] == 0 && g.t1[k] == bs
+                     ? g.v[k]
+                     : v_block_masked(g.v[k], masked + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+    };
     if (layout.amx) {
       if constexpr (std::is_same_v<CT, c10::BFloat16>) {
         const CT* src[kGroup];
-        CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
-        for (int64_t k = 0; k < nb; ++k)
-          src[k] = g.t0[k] == 0 && g.t1[k] == bs
-                       ? g.v[k]
-                       : v_block_masked(g.v[k], masked + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+        in_own_type(src);
         amx_pack_probabilities(scratch.p.data(), group_row, R, nb, bs, layout.block_row,
                                scratch.pvnni.data());
         alignas(64) float alpha[16] = {};
@@ -476,11 +481,7 @@ struct ItemWorker {
     }
     if (layout.half_pv) {
       const CT* src[kGroup];
-      CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
-      for (int64_t k = 0; k < nb; ++k)
-        src[k] = g.t0[k] == 0 && g.t1[k] == bs
-                     ? g.v[k]
-                     : v_block_masked(g.v[k], masked + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+      in_own_type(src);
       int64_t r = 0;
       for (; r + 4 <= R; r += 4)
         pv_half_tile<4>(src, nb, scratch.p.data() + r * group_row, group_row, layout.block_row,
@@ -531,12 +532,7 @@ struct ItemWorker {
             split_pairs(scratch.p.data() + r * group_row + k * layout.block_row);
       }
       const CT* src[kGroup];
-      CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
-      for (int64_t k = 0; k < nb; ++k) {
-        src[k] = g.t0[k] == 0 && g.t1[k] == bs
-                     ? g.v[k]
-                     : v_block_masked(g.v[k], masked + k * D * bs, D, bs, g.t0[k], g.t1[k]);
-      }
+      in_own_type(src);
       dispatch(static_cast<const CT* const*>(src));
     } else {
       vcopy();
