@@ -272,7 +272,7 @@ def selection_name():
 def use_variant(variant):
     """Switch to a build by name, or back to the import-time selection ("selected")."""
     if variant == "selected":
-        paged_ops.set_cpu_kernel_variant(SELECTION[0], small_blocks=SELECTION[1])
+        paged_ops._set_selection(SELECTION)
     elif variant is not None:
         paged_ops.set_cpu_kernel_variant(variant)
 

@@ -58,7 +58,7 @@ SELECTION = paged_ops._selection
 
 def use(kernel):
     if kernel == "selected":  # the builds chosen at import (two on AVX-512 CPUs, by block size)
-        paged_ops.set_cpu_kernel_variant(SELECTION[0], small_blocks=SELECTION[1])
+        paged_ops._set_selection(SELECTION)
     elif isinstance(kernel, str):
         paged_ops.set_cpu_kernel_variant(kernel)
     else:

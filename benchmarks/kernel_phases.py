@@ -207,7 +207,7 @@ def time_interleaved(tables, cases, reps):
                         run()
                     times[name].append((time.perf_counter() - t0) / n_calls)
     finally:
-        paged_ops.set_cpu_kernel_variant(before[0], small_blocks=before[1])
+        paged_ops._set_selection(before)
 
 
 def main(argv=None):

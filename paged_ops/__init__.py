@@ -48,7 +48,7 @@ _C_LIB.paged_ops_cpu_kernel_name.restype = ctypes.c_char_p
 _C_LIB.paged_ops_cpu_kernel_name.argtypes = [ctypes.c_int64]
 _C_LIB.paged_ops_set_cpu_kernel_table.argtypes = [ctypes.c_void_p]
 _C_LIB.paged_ops_set_cpu_small_block_kernel_table.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-_variant_libs = []  # keep loaded variant libraries alive
+_variant_libs = {}  # name -> loaded variant library (kept alive, loaded once)
 
 
 def built_with_cuda() -> bool:
@@ -110,10 +110,11 @@ def _kernel_table(name: str):
                          f"supported: {supported_cpu_kernel_variants()}")
     if name == "default":
         return None
-    path = _variant_library(name)
-    lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
-    lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
-    _variant_libs.append(lib)
+    lib = _variant_libs.get(name)
+    if lib is None:
+        lib = ctypes.CDLL(_variant_library(name), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
+        _variant_libs[name] = lib
     return lib.paged_ops_cpu_kernel_table()
 
 
@@ -139,6 +140,11 @@ def set_cpu_kernel_variant(name: str, *, small_blocks: tuple[str, int] | None = 
             raise RuntimeError(f"{_variant_library(small_blocks[0])} is from an incompatible "
                                "build; rebuild paged_ops")
     _selection = (name, tuple(small_blocks) if small_blocks else None)
+
+
+def _set_selection(selection: tuple) -> None:
+    """Back to a selection saved from ``_selection`` (tests and benchmarks)."""
+    set_cpu_kernel_variant(selection[0], small_blocks=selection[1])
 
 
 def _select_cpu_kernels() -> None:

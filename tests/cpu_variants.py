@@ -139,4 +139,4 @@ def use(name):
     try:
         yield name
     finally:
-        paged_ops.set_cpu_kernel_variant(before[0], small_blocks=before[1])
+        paged_ops._set_selection(before)

@@ -58,7 +58,7 @@ def test_the_build_follows_the_block_size():
         paged_ops.set_cpu_kernel_variant("default", small_blocks=(main, 16))
         assert [paged_ops.cpu_kernel_variant(b) for b in (8, 16, 17)] == [main, main, "default"]
     finally:
-        paged_ops.set_cpu_kernel_variant(before[0], small_blocks=before[1])
+        paged_ops._set_selection(before)
     assert paged_ops._selection == before
 
 

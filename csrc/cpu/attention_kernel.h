@@ -260,9 +260,12 @@ struct ItemWorker {
     }
     const bool multi = P.query_start_loc != nullptr;
     const QT* q_base = static_cast<const QT*>(P.query);
-    for (int64_t hr = 0; hr < it.nh * R; ++hr) {
+    auto query_row = [&](int64_t hr) {  // row hr % R of kv head it.kvh + hr / R
       const int64_t r = hr % R, j = it.j0 + r / G, h = (it.kvh + hr / R) * G + r % G;
-      const QT* q = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
+      return q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
+    };
+    for (int64_t hr = 0; hr < it.nh * R; ++hr) {
+      const QT* q = query_row(hr);
       scratch.state[hr] = SoftmaxState{};
       if (layout.amx) continue;  // the query operands are packed below
       if constexpr (std::is_same_v<QT, c10::BFloat16>) {
@@ -284,13 +287,9 @@ struct ItemWorker {
     if constexpr (std::is_same_v<QT, c10::BFloat16>) {
       if (layout.amx) {
         const c10::BFloat16* rows[16];
-        const int64_t tiles = ((R + 3) / 4) * num_chunks * 512;
         for (int64_t hl = 0; hl < it.nh; ++hl) {
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t j = it.j0 + r / G, h = (it.kvh + hl) * G + r % G;
-            rows[r] = q_base + (it.row0 + (multi ? j : 0)) * P.q_stride_seq + h * P.q_stride_head;
-          }
-          amx_pack_queries(rows, R, D, scratch.qtiles.data() + hl * tiles);
+          for (int64_t r = 0; r < R; ++r) rows[r] = query_row(hl * R + r);
+          amx_pack_queries(rows, R, D, query_tiles(hl));
         }
         // amx_pv_group starts its sums on the first group; an item without blocks has none.
         if (it.b_first > it.b_last || !PAGED_OPS_PHASE_PV)
@@ -304,6 +303,11 @@ struct ItemWorker {
       std::fill(scratch.acc.begin(), scratch.acc.begin() + it.nh * R * layout.acc_row, 0.f);
     else if (!PAGED_OPS_PHASE_PV || it.b_first > it.b_last)  // (sums start at 0 without p.v)
       std::fill(scratch.ot.begin(), scratch.ot.begin() + it.nh * R * D, 0.f);
+  }
+
+  // The AMX query operands of kv head hl (amx_pack_queries): R / 4 quads of D / 8 tiles.
+  uint16_t* query_tiles(int64_t hl) {
+    return scratch.qtiles.data() + hl * ((R + 3) / 4) * layout.num_chunks * 512;
   }
 
   // Visible offsets of the group's blocks [b0, b0 + nb) for the item's rows together.
@@ -348,24 +352,23 @@ struct ItemWorker {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const float* const qrep_h = scratch.qrep.data() + hl * R * num_chunks * q_repeat;
     const int64_t h0 = (it.kvh + hl) * layout.G;
+    // The next block's key lines go out over the q.k loop's iterations: every tile of rows
+    // (R / 4 + R % 4 tiles), or the AMX loop's.
+    const int64_t pf_steps = layout.amx ? amx_qk_iterations(R, layout.D, bs)
+                                        : (R / 4 + R % 4) * layout.qk_iters;
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       int64_t r = 0;
-      // The next block's key lines, spread over every tile of rows (R / 4 + R % 4 tiles).
-      PrefetchCursor pf(g.k_next[k], layout.D * bs * static_cast<int64_t>(sizeof(CT)),
-                        (R / 4 + R % 4) * layout.qk_iters);
+      PrefetchCursor pf(g.k_next[k], layout.D * bs * static_cast<int64_t>(sizeof(CT)), pf_steps);
       if (layout.amx) {
         const CT* kb = g.k[k];
         if (g.t0[k] > 0 || g.t1[k] < bs)
           kb = k_block_masked(kb, reinterpret_cast<CT*>(scratch.kraw.data()), num_chunks, bs,
                               layout.x, g.t0[k], g.t1[k]);
-        PrefetchCursor apf(g.k_next[k], layout.D * bs * static_cast<int64_t>(sizeof(CT)),
-                           amx_qk_iterations(R, layout.D, bs));
         if constexpr (std::is_same_v<CT, c10::BFloat16>) {
           if (PAGED_OPS_PHASE_QK)
-            amx_qk_block(kb, scratch.qtiles.data() + hl * ((R + 3) / 4) * num_chunks * 512, R,
-                         layout.D, bs, scratch.p.data() + k * block_row, layout.group_row,
-                         scratch.cbuf.data(), apf);
+            amx_qk_block(kb, query_tiles(hl), R, layout.D, bs, scratch.p.data() + k * block_row,
+                         layout.group_row, scratch.cbuf.data(), pf);
         }
       }
       auto qk = [&](auto tile, auto one_q) {
