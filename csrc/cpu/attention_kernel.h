@@ -76,24 +76,24 @@ inline namespace CPU_CAPABILITY {
 // all its kv heads: the state that lives through the item (qrep, acc, state) has HR rows, the
 // per-step buffers R.
 struct Scratch {
-  std::vector<float> qrep;  // [HR][D/x][q_repeat]: q chunk c (pre-scaled) repeated to q_repeat
-  std::vector<float> raw;    // [R][raw_row] per-lane partial q.k sums of one block (t * x + i)
-  std::vector<float> p;  // [R][kGroup * block_row] logits, then probabilities of a group
-  std::vector<float> acc;    // [HR][D][W] running sum of p * v, lanes not yet summed (lane_acc)
-  std::vector<float> ot;     // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
-  std::vector<float> alpha;  // [HR] the group's rescale factor of each row's sum (step)
-  std::vector<float> o;      // [HR][D] the sum of p * v in rows, at the end of an item
-  std::vector<float> qf;     // [D] one query row in fp32, pre-scaled (to fill qrep)
-  std::vector<float> vtmp;   // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
-  std::vector<uint8_t> vraw;  // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
-  std::vector<SoftmaxState> state;  // [HR] running max and normalizer
+  LineVector<float> qrep;  // [HR][D/x][q_repeat]: q chunk c (pre-scaled) repeated to q_repeat
+  LineVector<float> raw;  // [R][raw_row] per-lane partial q.k sums of one block (t * x + i)
+  LineVector<float> p;  // [R][kGroup * block_row] logits, then probabilities of a group
+  LineVector<float> acc;  // [HR][D][W] running sum of p * v, lanes not yet summed (lane_acc)
+  LineVector<float> ot;  // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
+  LineVector<float> alpha;             // [HR] the group's rescale factor of each row's sum (step)
+  LineVector<float> o;                 // [HR][D] the sum of p * v in rows, at the end of an item
+  LineVector<float> qf;                // [D] one query row in fp32, pre-scaled (to fill qrep)
+  LineVector<float> vtmp;  // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
+  LineVector<uint8_t> vraw;  // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
+  LineVector<SoftmaxState> state;      // [HR] running max and normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
   // The AMX path (Layout::amx, amx_attention.h):
-  std::vector<uint16_t> qtiles;  // [nh][R / 4][D / 8][512] query operands of q.k
-  std::vector<uint32_t> pvnni;   // [group tokens / 2][16] probability operand of p.v
-  std::vector<float> amx_o;      // [HR / R][D][16] running sums of p * v, d-major
-  std::vector<uint8_t> kraw;     // [D * bs] a key block with hidden tokens zeroed
-  std::vector<float> cbuf;       // [512] accumulator tiles stored
+  LineVector<uint16_t> qtiles;         // [nh][R / 4][D / 8][512] query operands of q.k
+  LineVector<uint32_t> pvnni;          // [group tokens / 2][16] probability operand of p.v
+  LineVector<float> amx_o;             // [HR / R][D][16] running sums of p * v, d-major
+  LineVector<uint8_t> kraw;            // [D * bs] a key block with hidden tokens zeroed
+  LineVector<float> cbuf;              // [512] accumulator tiles stored
 };
 
 inline Scratch& thread_scratch() {
@@ -307,7 +307,7 @@ struct ItemWorker {
 
   // The AMX query operands of kv head hl (amx_pack_queries): R / 4 quads of D / 8 tiles.
   uint16_t* query_tiles(int64_t hl) {
-    return scratch.qtiles.data() + hl * ((R + 3) / 4) * layout.num_chunks * 512;
+    return scratch.qtiles.data() + hl * ((R + 3) / 4) * (layout.D / kAmxX) * 512;
   }
 
   // Visible offsets of the group's blocks [b0, b0 + nb) for the item's rows together.
@@ -598,7 +598,7 @@ void merge_splits(const AttentionParams& P, const Plan& plan, float v_scale,
   const int64_t D = P.head_size;
   QT* o_base = static_cast<QT*>(P.out);
   at::parallel_for(0, P.num_seqs * P.num_kv_heads * G, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float>& acc = thread_scratch().qf;  // free: the items are done
+    LineVector<float>& acc = thread_scratch().qf;  // free: the items are done
     grow(acc, D);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t g = w % G;

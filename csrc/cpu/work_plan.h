@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -23,10 +24,29 @@ constexpr int64_t kGroup = PAGED_OPS_GROUP_BLOCKS;
 #endif
 constexpr int64_t kGroupTokens = PAGED_OPS_GROUP_TOKENS;
 
-template <typename T>
-inline void grow(std::vector<T>& v, int64_t n) {
+template <typename T, typename A>
+inline void grow(std::vector<T, A>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
+
+// Storage aligned to cache lines. The kernel's scratch rows are whole lines (multiples of 16
+// floats) and are read and written by 64-byte vectors and tile rows, each of which touches
+// two lines when the row is not aligned (malloc aligns to 16 bytes only).
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+};
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
