@@ -54,6 +54,12 @@ constexpr bool kLaneAcc = W == 16;
 #ifndef PAGED_OPS_PV_DT_WIDE
 #define PAGED_OPS_PV_DT_WIDE 2
 #endif
+// Long V rows (4 lines and more) have their next rows' prefetches spread over the vector
+// iterations instead of issued together at the start of each step: a burst of prefetches
+// waits for the core's miss buffers, and the FMAs behind it wait too. Measured against the
+// burst on the Xeon of RESULTS.md (B=8 L=2048): bs 128 and 256 1.02-1.06x (bf16, fp16),
+// bs 64 (2-line rows) 0.97-1.00x, hence only from 4 lines.
+constexpr int64_t kPacedRowBytes = 256;
 template <int NV, int RT, int NB, typename VT, typename NT>
 inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, const float* p,
                      int64_t p_stride, float* o, const float* alpha, float* acc,
@@ -85,13 +91,21 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
       // The same rows of the next block: each row (short rows, at most a line), or each
       // line of the rows.
       const char* pf = reinterpret_cast<const char*>(next[k]) + d * vrow_bytes;
+      const bool paced = vrow_bytes >= kPacedRowBytes;
       if (vrow_bytes <= 64) {
         for (int u = 0; u < DTc; ++u) prefetch_l2(pf + u * vrow_bytes);
-      } else {
+      } else if (!paced) {
         for (int64_t b = 0; b < DTc * vrow_bytes; b += 64) prefetch_l2(pf + b);
       }
+      // Paced: the DTc * vrow_bytes / 64 lines spread over the step's nv vector iterations.
+      const int64_t pf_per = paced ? (DTc * vrow_bytes / 64 + nv - 1) / nv : 0;
       for (int64_t i0 = 0; i0 < nv; i0 += NV) {
         for (int i = static_cast<int>(i0); i < i0 + NV; ++i) {
+          if (paced)
+            for (int64_t j = 0; j < pf_per; ++j) {
+              const int64_t line = i * pf_per + j;
+              if (line * 64 < DTc * vrow_bytes) prefetch_l2(pf + line * 64);
+            }
           VecF v[DTc];
           for (int u = 0; u < DTc; ++u) {
             const VT* row = src[k] + (d + u) * BPv;
