@@ -61,11 +61,11 @@ _VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16", "avx512_amx")
 
 # The builds an AVX-512 CPU can run, fastest first as measured on one (docs/cpu_kernel_selection.md:
 # a Sapphire Rapids Xeon, every cache dtype and block size 8-256, interleaved A/B): the AVX-512
-# builds lead from block size 32 up, the AVX2 build below it (_SMALL_BLOCKS); the AMX build
+# builds lead from block size 16 up, the AVX2 build below it (_SMALL_BLOCKS); the AMX build
 # measured no faster than avx512_bf16 on caches read from memory, so it runs only when asked for.
 _AVX512_PREFERENCE = ["avx512_bf16", "avx512", "avx2", "avx512_amx"]
 # Selected build -> (the build for small blocks, the largest block size it runs).
-_SMALL_BLOCKS = {"avx512_bf16": ("avx2", 16), "avx512": ("avx2", 16)}
+_SMALL_BLOCKS = {"avx512_bf16": ("avx2", 8), "avx512": ("avx2", 8)}
 _selection: tuple = ("default", None)  # set_cpu_kernel_variant's arguments, for restoring
 
 
