@@ -188,6 +188,10 @@ struct ItemWorker {
   const CT* const vc;
   ItemInfo it{};
   int64_t R = 0;  // query rows of one kv head of the item
+  // The key lines of the next blocks that p.v prefetches (the rest after q.k's share), one
+  // cursor per block of the group: 16-bit caches on the 16-lane builds (see logits).
+  static constexpr bool kSplitKeyPrefetch = sizeof(CT) == 2 && W == 16;
+  PrefetchCursor k_rest[kGroup];
 
   ItemWorker(const AttentionParams& P_, const Layout<CT>& layout_, const Plan& plan_,
              Scratch& scratch_)
@@ -305,6 +309,12 @@ struct ItemWorker {
       std::fill(scratch.ot.begin(), scratch.ot.begin() + it.nh * R * D, 0.f);
   }
 
+  // Vector iterations of pv_group per block over all rows of a kv head (k_rest's steps).
+  int64_t pv_calls() const {
+    const int nv_template = static_cast<int>(std::min<int64_t>(layout.NV, 4));  // pv's NVc
+    return (R / 4 + R % 4) * pv_steps(nv_template, layout.D) * layout.NV;
+  }
+
   // The AMX query operands of kv head hl (amx_pack_queries): R / 4 quads of D / 8 tiles.
   uint16_t* query_tiles(int64_t hl) {
     return scratch.qtiles.data() + hl * ((R + 3) / 4) * (layout.D / kAmxX) * 512;
@@ -359,7 +369,17 @@ struct ItemWorker {
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       int64_t r = 0;
-      PrefetchCursor pf(g.k_next[k], layout.D * bs * static_cast<int64_t>(sizeof(CT)), pf_steps);
+      // 16-bit caches: q.k (bf16 pairs, or a widening load) is short next to p.v, and the
+      // next block's key lines all asked for during it wait for the core's miss buffers; half
+      // of them go out over p.v instead (k_rest).
+      const int64_t kbytes = layout.D * bs * static_cast<int64_t>(sizeof(CT));
+      const bool split = kSplitKeyPrefetch && layout.fast_pv && !layout.amx;
+      const int64_t head = split ? kbytes / 2 / 64 * 64 : kbytes;
+      PrefetchCursor pf(g.k_next[k], head, pf_steps);
+      k_rest[k] = head < kbytes
+                      ? PrefetchCursor(reinterpret_cast<const char*>(g.k_next[k]) + head,
+                                       kbytes - head, pv_calls())
+                      : PrefetchCursor();
       if (layout.amx) {
         const CT* kb = g.k[k];
         if (g.t0[k] > 0 || g.t1[k] < bs)
@@ -512,16 +532,18 @@ struct ItemWorker {
       auto acc = [&](int64_t r) { return acc_h ? acc_h + r * acc_row : nullptr; };
       if (nb == kGroup) {
         for (; r2 + 4 <= R; r2 += 4)
-          pv_group<NVc, 4, kGroup>(src, nb, layout.NV, pp + r2 * group_row, group_row,
-                                   ot + r2 * D, al + r2, acc(r2), acc_row, D, g.v_next,
-                                   vrow_bytes, first, last);
+          pv_group<NVc, 4, kGroup, kSplitKeyPrefetch>(
+              src, nb, layout.NV, pp + r2 * group_row, group_row, ot + r2 * D, al + r2, acc(r2),
+              acc_row, D, g.v_next, vrow_bytes, first, last, k_rest);
       }
       for (; r2 + 4 <= R; r2 += 4)
-        pv_group<NVc, 4, 0>(src, nb, layout.NV, pp + r2 * group_row, group_row, ot + r2 * D,
-                            al + r2, acc(r2), acc_row, D, g.v_next, vrow_bytes, first, last);
+        pv_group<NVc, 4, 0, kSplitKeyPrefetch>(
+            src, nb, layout.NV, pp + r2 * group_row, group_row, ot + r2 * D, al + r2, acc(r2),
+            acc_row, D, g.v_next, vrow_bytes, first, last, k_rest);
       for (; r2 < R; ++r2)
-        pv_group<NVc, 1, 0>(src, nb, layout.NV, pp + r2 * group_row, group_row, ot + r2 * D,
-                            al + r2, acc(r2), acc_row, D, g.v_next, vrow_bytes, first, last);
+        pv_group<NVc, 1, 0, kSplitKeyPrefetch>(
+            src, nb, layout.NV, pp + r2 * group_row, group_row, ot + r2 * D, al + r2, acc(r2),
+            acc_row, D, g.v_next, vrow_bytes, first, last, k_rest);
     };
     auto dispatch = [&](auto src) {
       if (layout.NV == 1) run(std::integral_constant<int, 1>{}, src);

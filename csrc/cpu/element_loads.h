@@ -109,10 +109,11 @@ inline void prefetch_l2(const void* p) {
 // for again and again) made 16-bit caches 8-17% slower; every line must be asked for (every
 // other line: 20% slower).
 struct PrefetchCursor {
-  const char* base;
+  const char* base = nullptr;
   int64_t pos = 0;  // line index, 16 fractional bits
-  int64_t inc, last;
-  int per_call;
+  int64_t inc = 0, last = 0;
+  int per_call = 0;  // 0: nothing to prefetch (step() does nothing)
+  PrefetchCursor() = default;
   PrefetchCursor(const void* begin, int64_t bytes, int64_t calls)
       : base(static_cast<const char*>(begin)) {
     const int64_t lines = std::max<int64_t>(1, bytes / 64);

@@ -46,7 +46,8 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 //   rescaled by SoftmaxState::step) and summed into o only on the item's last group (last;
 //   an item of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only;
 //   with 16 it would sum each accumulator on its own, 8 per 32 FMAs at block size 16.
-// next[k]: the blocks to prefetch. init: an item's first group (o and acc are written, not
+// next[k]: the blocks to prefetch; k_rest[k] (KREST): the next blocks' key lines q.k left for
+// p.v, one step per vector iteration of block k. init: an item's first group (o and acc are written, not
 // read). NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb.
 // NV = 4: any multiple of 4 vectors per V row (nv_in of them, block sizes 4 W and up), in
 // steps of 4.
@@ -54,17 +55,25 @@ constexpr bool kLaneAcc = W == 16;
 #ifndef PAGED_OPS_PV_DT_WIDE
 #define PAGED_OPS_PV_DT_WIDE 2
 #endif
+// V rows per pv_group step, and the steps of a pass over D rows (as pv_group takes them).
+constexpr int pv_rows_per_step(int NV) { return NV == 2 ? 3 : NV == 1 ? 2 : PAGED_OPS_PV_DT_WIDE; }
+inline int64_t pv_steps(int NV, int64_t D) {
+  const int64_t dt = pv_rows_per_step(NV);
+  int64_t n = D / dt, rest = D % dt;
+  if (dt == 3 && rest == 2) return n + 1;  // one step of 2
+  return n + rest;
+}
 // Long V rows (4 lines and more) have their next rows' prefetches spread over the vector
 // iterations instead of issued together at the start of each step: a burst of prefetches
 // waits for the core's miss buffers, and the FMAs behind it wait too. Measured against the
 // burst on the Xeon of RESULTS.md (B=8 L=2048): bs 128 and 256 1.02-1.06x (bf16, fp16),
 // bs 64 (2-line rows) 0.97-1.00x, hence only from 4 lines.
 constexpr int64_t kPacedRowBytes = 256;
-template <int NV, int RT, int NB, typename VT, typename NT>
+template <int NV, int RT, int NB, bool KREST, typename VT, typename NT>
 inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, const float* p,
                      int64_t p_stride, float* o, const float* alpha, float* acc,
                      int64_t acc_stride, int64_t D, const NT* const* next_in, int64_t vrow_bytes,
-                     bool init, bool last) {
+                     bool init, bool last, PrefetchCursor* k_rest) {
   const int64_t nv = NV == 4 ? nv_in : NV;
   const int64_t BPv = nv * W;
   constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
@@ -79,7 +88,7 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
   // accumulators: each takes NV * nb dependent FMAs per step, so 8 (RT = 4, DT = 2) just
   // cover the FMA latency x throughput and stall on any delay; 12 measured 5-10% faster for
   // 16-bit caches (fp32: same). The V vectors are loaded per half i (3 + 12 + 1 registers).
-  constexpr int DT = NV == 2 ? 3 : NV == 1 ? 2 : PAGED_OPS_PV_DT_WIDE;
+  constexpr int DT = pv_rows_per_step(NV);
   auto step = [&](int64_t d, auto dt_c) {
     constexpr int DTc = decltype(dt_c)::value;
     VecF a[RT][DTc];
@@ -101,6 +110,7 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
       const int64_t pf_per = paced ? (DTc * vrow_bytes / 64 + nv - 1) / nv : 0;
       for (int64_t i0 = 0; i0 < nv; i0 += NV) {
         for (int i = static_cast<int>(i0); i < i0 + NV; ++i) {
+          if constexpr (KREST) k_rest[k].step();
           if (paced)
             for (int64_t j = 0; j < pf_per; ++j) {
               const int64_t line = i * pf_per + j;
