@@ -76,24 +76,24 @@ inline namespace CPU_CAPABILITY {
 // all its kv heads: the state that lives through the item (qrep, acc, state) has HR rows, the
 // per-step buffers R.
 struct Scratch {
-  LineVector<float> qrep;  // [HR][D/x][q_repeat]: q chunk c (pre-scaled) repeated to q_repeat
-  LineVector<float> raw;  // [R][raw_row] per-lane partial q.k sums of one block (t * x + i)
-  LineVector<float> p;  // [R][kGroup * block_row] logits, then probabilities of a group
-  LineVector<float> acc;  // [HR][D][W] running sum of p * v, lanes not yet summed (lane_acc)
-  LineVector<float> ot;  // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
-  LineVector<float> alpha;             // [HR] the group's rescale factor of each row's sum (step)
-  LineVector<float> o;                 // [HR][D] the sum of p * v in rows, at the end of an item
-  LineVector<float> qf;                // [D] one query row in fp32, pre-scaled (to fill qrep)
-  LineVector<float> vtmp;  // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
-  LineVector<uint8_t> vraw;  // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
-  LineVector<SoftmaxState> state;      // [HR] running max and normalizer
+  LineVector<float> qrep;     // [HR][D/x][q_repeat]: q chunk c (pre-scaled) repeated to q_repeat
+  LineVector<float> raw;      // [R][raw_row] per-lane partial q.k sums of one block (t * x + i)
+  LineVector<float> p;        // [R][kGroup * block_row] logits, then probabilities of a group
+  LineVector<float> acc;      // [HR][D][W] running sum of p * v, lanes not yet summed (lane_acc)
+  LineVector<float> ot;       // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
+  LineVector<float> alpha;    // [HR] the group's rescale factor of each row's sum (step)
+  LineVector<float> o;        // [HR][D] the sum of p * v in rows, at the end of an item
+  LineVector<float> qf;       // [D] one query row in fp32, pre-scaled (to fill qrep)
+  LineVector<float> vtmp;     // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
+  LineVector<uint8_t> vraw;   // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
+  LineVector<SoftmaxState> state;  // [HR] running max and normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
   // The AMX path (Layout::amx, amx_attention.h):
-  LineVector<uint16_t> qtiles;         // [nh][R / 4][D / 8][512] query operands of q.k
-  LineVector<uint32_t> pvnni;          // [group tokens / 2][16] probability operand of p.v
-  LineVector<float> amx_o;             // [HR / R][D][16] running sums of p * v, d-major
-  LineVector<uint8_t> kraw;            // [D * bs] a key block with hidden tokens zeroed
-  LineVector<float> cbuf;              // [512] accumulator tiles stored
+  LineVector<uint16_t> qtiles;  // [nh][R / 4][D / 8][512] query operands of q.k
+  LineVector<uint32_t> pvnni;   // [group tokens / 2][16] probability operand of p.v
+  LineVector<float> amx_o;    // [HR / R][D][16] running sums of p * v, d-major
+  LineVector<uint8_t> kraw;   // [D * bs] a key block with hidden tokens zeroed
+  LineVector<float> cbuf;     // [512] accumulator tiles stored
 };
 
 inline Scratch& thread_scratch() {
@@ -366,19 +366,20 @@ struct ItemWorker {
     // (R / 4 + R % 4 tiles), or the AMX loop's.
     const int64_t pf_steps = layout.amx ? amx_qk_iterations(R, layout.D, bs)
                                         : (R / 4 + R % 4) * layout.qk_iters;
+    // 16-bit caches: q.k (bf16 pairs, or a widening load) is short next to p.v, and the next
+    // block's key lines all asked for during it wait for the core's miss buffers; the first
+    // `head` bytes go out over q.k, the rest over p.v (k_rest).
+    const int64_t kbytes = layout.D * bs * static_cast<int64_t>(sizeof(CT));
+    const bool split = kSplitKeyPrefetch && layout.fast_pv && !layout.amx;
+    const int64_t head = split ? kbytes / 2 / 64 * 64 : kbytes;
+    const int64_t rest_steps = head < kbytes ? pv_calls() : 0;
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       int64_t r = 0;
-      // 16-bit caches: q.k (bf16 pairs, or a widening load) is short next to p.v, and the
-      // next block's key lines all asked for during it wait for the core's miss buffers; half
-      // of them go out over p.v instead (k_rest).
-      const int64_t kbytes = layout.D * bs * static_cast<int64_t>(sizeof(CT));
-      const bool split = kSplitKeyPrefetch && layout.fast_pv && !layout.amx;
-      const int64_t head = split ? kbytes / 2 / 64 * 64 : kbytes;
       PrefetchCursor pf(g.k_next[k], head, pf_steps);
       k_rest[k] = head < kbytes
                       ? PrefetchCursor(reinterpret_cast<const char*>(g.k_next[k]) + head,
-                                       kbytes - head, pv_calls())
+                                       kbytes - head, rest_steps)
                       : PrefetchCursor();
       if (layout.amx) {
         const CT* kb = g.k[k];

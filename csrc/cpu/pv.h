@@ -47,10 +47,10 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 //   an item of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only;
 //   with 16 it would sum each accumulator on its own, 8 per 32 FMAs at block size 16.
 // next[k]: the blocks to prefetch; k_rest[k] (KREST): the next blocks' key lines q.k left for
-// p.v, one step per vector iteration of block k. init: an item's first group (o and acc are written, not
-// read). NB > 0: a full group of NB blocks, unrolled (pointers stay in registers); NB = 0: nb.
-// NV = 4: any multiple of 4 vectors per V row (nv_in of them, block sizes 4 W and up), in
-// steps of 4.
+// p.v, one step per vector iteration of block k. init: an item's first group (o and acc are
+// written, not read). NB > 0: a full group of NB blocks, unrolled (pointers stay in
+// registers); NB = 0: nb. NV = 4: any multiple of 4 vectors per V row (nv_in of them, block
+// sizes 4 W and up), in steps of 4.
 constexpr bool kLaneAcc = W == 16;
 #ifndef PAGED_OPS_PV_DT_WIDE
 #define PAGED_OPS_PV_DT_WIDE 2
@@ -100,22 +100,18 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
       // The same rows of the next block: each row (short rows, at most a line), or each
       // line of the rows.
       const char* pf = reinterpret_cast<const char*>(next[k]) + d * vrow_bytes;
+      // Paced: the rows' lines spread over the step's nv vector iterations.
       const bool paced = vrow_bytes >= kPacedRowBytes;
+      PrefetchCursor vpf = paced ? PrefetchCursor(pf, DTc * vrow_bytes, nv) : PrefetchCursor();
       if (vrow_bytes <= 64) {
         for (int u = 0; u < DTc; ++u) prefetch_l2(pf + u * vrow_bytes);
       } else if (!paced) {
         for (int64_t b = 0; b < DTc * vrow_bytes; b += 64) prefetch_l2(pf + b);
       }
-      // Paced: the DTc * vrow_bytes / 64 lines spread over the step's nv vector iterations.
-      const int64_t pf_per = paced ? (DTc * vrow_bytes / 64 + nv - 1) / nv : 0;
       for (int64_t i0 = 0; i0 < nv; i0 += NV) {
         for (int i = static_cast<int>(i0); i < i0 + NV; ++i) {
           if constexpr (KREST) k_rest[k].step();
-          if (paced)
-            for (int64_t j = 0; j < pf_per; ++j) {
-              const int64_t line = i * pf_per + j;
-              if (line * 64 < DTc * vrow_bytes) prefetch_l2(pf + line * 64);
-            }
+          if (paced) vpf.step();
           VecF v[DTc];
           for (int u = 0; u < DTc; ++u) {
             const VT* row = src[k] + (d + u) * BPv;
