@@ -309,8 +309,10 @@ struct ItemWorker {
       std::fill(scratch.ot.begin(), scratch.ot.begin() + it.nh * R * D, 0.f);
   }
 
-  // Vector iterations of pv_group per block over all rows of a kv head (k_rest's steps).
+  // Steps of p.v per block over all rows of a kv head (k_rest's): pv_half_tile's steps, or
+  // pv_group's vector iterations.
   int64_t pv_calls() const {
+    if (layout.half_pv) return (R / 4 + R % 4) * (layout.D / 4);  // pv_half_tile's steps
     const int nv_template = static_cast<int>(std::min<int64_t>(layout.NV, 4));  // pv's NVc
     return (R / 4 + R % 4) * pv_steps(nv_template, layout.D) * layout.NV;
   }
@@ -370,7 +372,7 @@ struct ItemWorker {
     // block's key lines all asked for during it wait for the core's miss buffers; the first
     // `head` bytes go out over q.k, the rest over p.v (k_rest).
     const int64_t kbytes = layout.D * bs * static_cast<int64_t>(sizeof(CT));
-    const bool split = kSplitKeyPrefetch && layout.fast_pv && !layout.amx;
+    const bool split = kSplitKeyPrefetch && (layout.fast_pv || layout.half_pv) && !layout.amx;
     const int64_t head = split ? kbytes / 2 / 64 * 64 : kbytes;
     const int64_t rest_steps = head < kbytes ? pv_calls() : 0;
     for (int64_t k = 0; k < nb; ++k) {
@@ -508,11 +510,13 @@ struct ItemWorker {
       in_own_type(src);
       int64_t r = 0;
       for (; r + 4 <= R; r += 4)
-        pv_half_tile<4>(src, nb, scratch.p.data() + r * group_row, group_row, layout.block_row,
-                        acc_h + r * acc_row, acc_row, D);
+        pv_half_tile<4, kSplitKeyPrefetch>(src, nb, scratch.p.data() + r * group_row, group_row,
+                                           layout.block_row, acc_h + r * acc_row, acc_row, D,
+                                           g.v_next, k_rest);
       for (; r < R; ++r)
-        pv_half_tile<1>(src, nb, scratch.p.data() + r * group_row, group_row, layout.block_row,
-                        acc_h + r * acc_row, acc_row, D);
+        pv_half_tile<1, kSplitKeyPrefetch>(src, nb, scratch.p.data() + r * group_row, group_row,
+                                           layout.block_row, acc_h + r * acc_row, acc_row, D,
+                                           g.v_next, k_rest);
       return;
     }
     if (!layout.fast_pv) {
