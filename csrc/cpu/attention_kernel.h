@@ -79,13 +79,14 @@ struct Scratch {
   LineVector<float> qrep;     // [HR][D/x][q_repeat]: q chunk c (pre-scaled) repeated to q_repeat
   LineVector<float> raw;      // [R][raw_row] per-lane partial q.k sums of one block (t * x + i)
   LineVector<float> p;        // [R][kGroup * block_row] logits, then probabilities of a group
-  LineVector<float> acc;      // [HR][D][W] running sum of p * v, lanes not yet summed (lane_acc)
+  LineVector<float> acc;      // [HR][acc_row] running sum of p * v, lanes not yet summed (lane_acc)
   LineVector<float> ot;       // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
   LineVector<float> alpha;    // [HR] the group's rescale factor of each row's sum (step)
   LineVector<float> o;        // [HR][D] the sum of p * v in rows, at the end of an item
   LineVector<float> qf;       // [D] one query row in fp32, pre-scaled (to fill qrep)
   LineVector<float> vtmp;     // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
   LineVector<uint8_t> vraw;   // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
+  LineVector<uint16_t> pdot;  // [R][kGroup][2 W] bf16 probabilities (dot_pv)
   LineVector<SoftmaxState> state;  // [HR] running max and normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
   // The AMX path (Layout::amx, amx_attention.h):
@@ -126,6 +127,17 @@ struct Layout {
   bool fast_pv;
   bool half_pv;  // block size W / 2: p.v by pv_half_tile (two V rows per vector)
   bool lane_acc;  // the p.v sums live in acc between groups (pv_row_any, or kLaneAcc)
+  // p.v by bf16 pair dot products (pv_dot_tile): a bf16 cache read with bf16 queries where the
+  // CPU has them (kDotBF16), block sizes W / 2 and W, off AMX. The probabilities are rounded
+  // to bf16 for it, as for AMX tiles (bf16 queries: the output is bf16 too). No conversion of
+  // V, and one instruction per 2 W multiply-adds where fp32 takes two: 15-18% less time in
+  // p.v at block sizes 8 and 32 (kernel_phases.py), 1.02-1.08x per call at 8 and 16 on the
+  // Xeon of benchmarks/RESULTS.md, 0.96-0.99x at 128 and 256 (vdpbf16ps there runs at a
+  // quarter of the FMA rate, half the multiply-adds), hence the small blocks only.
+  bool dot_pv;
+  int64_t dot_accs;  // dot_pv: accumulators per query row, D * bs / 2 W
+  int64_t acc_lanes;  // lanes of acc per row d, summed at the end (sum_lane_groups)
+  int64_t acc_len;  // floats of a row of acc that hold sums (what SoftmaxState::step rescales)
   int64_t qk_iters;      // chunk iterations of one qk_tile call
   bool plain_logits;  // no soft cap, no ALiBi
   // (q . s_k k) scale = s_k scale (q . k); fp8_unit: see fp8_unit().
@@ -161,6 +173,15 @@ struct Layout {
     amx = kAmx && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 && x == kAmxX &&
           D % 16 == 0 && amx_block_size_ok(bs) && rows_max <= 16 && amx::usable();
     if (amx) lane_acc = false;
+    dot_pv = kDotBF16 && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 && !amx &&
+             (bs == W / 2 || bs == W) && D * bs % (2 * W) == 0;
+    dot_accs = D * bs / (2 * W);
+    if (dot_pv) {
+      fast_pv = half_pv = false;
+      lane_acc = true;
+    }
+    acc_lanes = dot_pv ? bs / 2 : half_pv ? W / 2 : W;
+    acc_len = D * acc_lanes;
   }
 };
 
@@ -218,6 +239,7 @@ struct ItemWorker {
     grow(scratch.qf, layout.D);
     grow(scratch.vtmp, kGroup * layout.D * layout.bs);
     grow(scratch.vraw, kGroup * layout.D * layout.bs * static_cast<int64_t>(sizeof(CT)));
+    if (layout.dot_pv) grow(scratch.pdot, R_max * pdot_row());
     grow(scratch.state, HR_max);
     scratch.row_P.resize(R_max);
     scratch.row_lo.resize(R_max);
@@ -301,11 +323,13 @@ struct ItemWorker {
         return;
       }
     }
-    // pv_group starts its sums itself on the first group (init); pv_row_any adds, and an
-    // item without blocks (empty split, seq_len 0) still turns its sums into rows.
-    if (!layout.fast_pv)
+    // pv_group and pv_dot_tile start their sums themselves on the first group (init);
+    // pv_row_any and pv_half_tile add, and an item without blocks (empty split, seq_len 0)
+    // still turns its sums into rows.
+    const bool no_pv = !PAGED_OPS_PHASE_PV || it.b_first > it.b_last;  // sums start at 0
+    if ((!layout.fast_pv && !layout.dot_pv) || (layout.dot_pv && no_pv))
       std::fill(scratch.acc.begin(), scratch.acc.begin() + it.nh * R * layout.acc_row, 0.f);
-    else if (!PAGED_OPS_PHASE_PV || it.b_first > it.b_last)  // (sums start at 0 without p.v)
+    else if (no_pv)
       std::fill(scratch.ot.begin(), scratch.ot.begin() + it.nh * R * D, 0.f);
   }
 
@@ -313,9 +337,13 @@ struct ItemWorker {
   // pv_group's vector iterations.
   int64_t pv_calls() const {
     if (layout.half_pv) return (R / 4 + R % 4) * (layout.D / 4);  // pv_half_tile's steps
+    if (layout.dot_pv) return (R / 4 + R % 4) * pv_dot_steps(layout.dot_accs);
     const int nv_template = static_cast<int>(std::min<int64_t>(layout.NV, 4));  // pv's NVc
     return (R / 4 + R % 4) * pv_steps(nv_template, layout.D) * layout.NV;
   }
+
+  // A row of pdot: the probability operand of pv_dot_tile for the blocks of a group.
+  int64_t pdot_row() const { return kGroup * 2 * W; }
 
   // The AMX query operands of kv head hl (amx_pack_queries): R / 4 quads of D / 8 tiles.
   uint16_t* query_tiles(int64_t hl) {
@@ -372,7 +400,8 @@ struct ItemWorker {
     // block's key lines all asked for during it wait for the core's miss buffers; the first
     // `head` bytes go out over q.k, the rest over p.v (k_rest).
     const int64_t kbytes = layout.D * bs * static_cast<int64_t>(sizeof(CT));
-    const bool split = kSplitKeyPrefetch && (layout.fast_pv || layout.half_pv) && !layout.amx;
+    const bool split =
+        kSplitKeyPrefetch && (layout.fast_pv || layout.half_pv || layout.dot_pv) && !layout.amx;
     const int64_t head = split ? kbytes / 2 / 64 * 64 : kbytes;
     const int64_t rest_steps = head < kbytes ? pv_calls() : 0;
     for (int64_t k = 0; k < nb; ++k) {
@@ -464,7 +493,7 @@ struct ItemWorker {
       if (!PAGED_OPS_PHASE_SM) continue;
       scratch.alpha[hl * R + r] = scratch.state[hl * R + r].step(
           scratch.p.data() + r * layout.group_row, n,
-          acc_h ? acc_h + r * layout.acc_row : nullptr, layout.D * W);
+          acc_h ? acc_h + r * layout.acc_row : nullptr, layout.acc_len);
     }
   }
 
@@ -502,6 +531,25 @@ struct ItemWorker {
         std::copy(scratch.alpha.data() + hl * R, scratch.alpha.data() + (hl + 1) * R, alpha);
         amx_pv_group(src, nb, bs, D, scratch.pvnni.data(), scratch.amx_o.data() + hl * D * 16,
                      alpha, first, scratch.cbuf.data(), g.v_next);
+      }
+      return;
+    }
+    if (layout.dot_pv) {
+      if constexpr (std::is_same_v<CT, c10::BFloat16>) {
+        const CT* src[kGroup];
+        in_own_type(src);
+        uint16_t* const pd = scratch.pdot.data();
+        const int64_t pd_row = pdot_row();
+        pack_dot_probabilities(scratch.p.data(), group_row, layout.block_row, R, nb, bs, pd,
+                               pd_row);
+        const int64_t accs = layout.dot_accs;
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4)
+          pv_dot_tile<4, kSplitKeyPrefetch>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row,
+                                            acc_row, accs, first, g.v_next, k_rest);
+        for (; r < R; ++r)
+          pv_dot_tile<1, kSplitKeyPrefetch>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row,
+                                            acc_row, accs, first, g.v_next, k_rest);
       }
       return;
     }
@@ -591,7 +639,7 @@ struct ItemWorker {
       } else {
         for (int64_t r = 0; r < R; ++r) {
           const float* acc = scratch.acc.data() + (hl * R + r) * layout.acc_row;
-          if (layout.half_pv) reduce_acc_halves(acc, o_h + r * D, D);
+          if (layout.acc_lanes < W) sum_lane_groups(acc, layout.acc_lanes, D, o_h + r * D);
           else reduce_acc(acc, o_h + r * D, D);
         }
       }

@@ -22,6 +22,7 @@ static_assert(W == 8, "the AVX2 hooks are written for 8 fp32 lanes");
 using portable::BF16Pairs;
 using portable::dot_pairs;
 using portable::load_pairs;
+using portable::pairs_in_register;
 
 // ---- fp8 -> fp32 --------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 // The AVX-512 builds' instruction-set hooks (isa.h; their contracts: isa_portable.h): fp8
 // decode with F16C, and vdpbf16ps in the builds compiled with AVX512-BF16 (avx512_bf16,
-// avx512_amx). Lane sums are ATen's (with 16 lanes, see tile_sums in pv.h) and bf16 is not
-// read in pairs.
+// avx512_amx), lane sums of many vectors by shuffle trees over 128-bit blocks (tile_sums in
+// pv.h sums each vector by ATen's hsum), and bf16 is not read in pairs.
 #pragma once
 
 #include <immintrin.h>
@@ -24,9 +24,7 @@ using portable::kSplitPairs;
 using portable::kTileSumsByShuffles;
 using portable::load_bf16_half;
 using portable::load_bf16_pairs;
-using portable::reduce_rows;
 using portable::split_pairs;
-using portable::sum_lane_groups_by_shuffles;
 using portable::tile_sums_by_shuffles;
 
 // ---- fp8 -> fp32: as on AVX2 (isa_avx2.h), 16 lanes --------------------------------------
@@ -72,11 +70,69 @@ inline BF16Pairs load_pairs(const void* p) {
 inline VecF dot_pairs(const VecF& acc, const BF16Pairs& a, const BF16Pairs& b) {
   return VecF(_mm512_dpbf16_ps(acc, a, b));
 }
+inline BF16Pairs pairs_in_register(BF16Pairs v) {  // see in_register
+  asm("" : "+v"(v));
+  return v;
+}
 #else
 using portable::BF16Pairs;
 using portable::dot_pairs;
 using portable::load_pairs;
+using portable::pairs_in_register;
 #endif
+
+// ---- lane sums ----------------------------------------------------------------------------
+
+// Shuffle trees over 128-bit blocks. sum4: block k, lane j of the result = the sum of block k
+// of v[j] (two levels: pairs of lanes, then pairs of pairs).
+C10_ALWAYS_INLINE __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+}
+// Blocks [a0 + a1, a2 + a3, b0 + b1, b2 + b3].
+C10_ALWAYS_INLINE __m512 sum_block_pairs(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+// Sums of 16 tokens of 16 lanes (r[t]: token t) in token order.
+C10_ALWAYS_INLINE __m512 sum16_tokens16(const VecF* r) {
+  const __m512 w0 = sum_block_pairs(sum4(r[0], r[1], r[2], r[3]), sum4(r[4], r[5], r[6], r[7]));
+  const __m512 w1 =
+      sum_block_pairs(sum4(r[8], r[9], r[10], r[11]), sum4(r[12], r[13], r[14], r[15]));
+  return sum_block_pairs(w0, w1);
+}
+
+inline VecF reduce_rows(const VecF* r) { return VecF(sum16_tokens16(r)); }
+
+// sum_lane_groups (qk.h) in steps of 16 tokens (of 8 for x = 16, block size 8 at fp8).
+C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t x, int64_t ntok,
+                                                      float* z) {
+  auto ld = [&](int64_t i) { return _mm512_loadu_ps(raw + i * W); };
+  int64_t t = 0;
+  if (x == 16) {  // a token per vector
+    for (; t + 16 <= ntok; t += 16, raw += 16 * W) {
+      VecF r[16];
+      for (int k = 0; k < 16; ++k) r[k] = VecF(ld(k));
+      _mm512_storeu_ps(z + t, sum16_tokens16(r));
+    }
+    if (t + 8 <= ntok) {
+      const __m512 w = sum_block_pairs(sum4(ld(0), ld(1), ld(2), ld(3)), sum4(ld(4), ld(5), ld(6), ld(7)));
+      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(sum_block_pairs(w, w)));
+      t += 8;
+    }
+  } else if (x == 8) {  // two tokens per vector: blocks of w are tokens [0 2 4 6 | 1 3 5 7 | ...]
+    const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    for (; t + 16 <= ntok; t += 16, raw += 8 * W) {
+      const __m512 w = sum_block_pairs(sum4(ld(0), ld(1), ld(2), ld(3)), sum4(ld(4), ld(5), ld(6), ld(7)));
+      _mm512_storeu_ps(z + t, _mm512_permutexvar_ps(order, w));
+    }
+  } else if (x == 4) {  // four tokens per vector: lane 4 j + k of u is token 4 k + j
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (; t + 16 <= ntok; t += 16, raw += 4 * W)
+      _mm512_storeu_ps(z + t, _mm512_permutexvar_ps(order, sum4(ld(0), ld(1), ld(2), ld(3))));
+  }
+  return t;
+}
 
 // ---- registers ----------------------------------------------------------------------------
 

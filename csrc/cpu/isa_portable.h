@@ -78,6 +78,8 @@ inline VecF dot_pairs(const VecF& acc, const BF16Pairs& a, const BF16Pairs& b) {
   }
   return VecF::loadu(out);
 }
+// The operand kept in a register (in_register for bf16 pairs); portable: as it is.
+inline BF16Pairs pairs_in_register(const BF16Pairs& v) { return v; }
 
 // Keeps a vector in a register: stops the compiler from folding its load into every FMA that
 // uses it (one load per use would then bound the loop). Portable: the vector itself.

@@ -171,10 +171,11 @@ inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D
 
 // p . v for block size W / 2 (8 on the 16-lane builds): a vector holds V rows d and d + 1 of
 // a block, and the block's probabilities go in both of its halves, so lanes [0, W / 2) of the
-// accumulator acc[(d / 2) * W] sum row d's products and lanes [W / 2, W) row d + 1's
-// (reduce_acc_halves). A tile of RT rows keeps DT accumulators each in registers over the nb
-// blocks of the group (one V load feeds RT FMAs); acc holds them between groups (rescaled by
-// SoftmaxState::step). Partly visible blocks arrive with their hidden columns zeroed.
+// accumulator acc[(d / 2) * W] sum row d's products and lanes [W / 2, W) row d + 1's (the
+// end of the item sums them by sum_lane_groups, W / 2 lanes per row d). A tile of RT rows
+// keeps DT accumulators each in registers over the nb blocks of the group (one V load feeds RT
+// FMAs); acc holds them between groups (rescaled by SoftmaxState::step). Partly visible blocks
+// arrive with their hidden columns zeroed.
 //
 // Each step reads rows [d, d + 4) of every block and asks for the same rows of the next blocks
 // (next[k]; each line once, in the step whose rows it starts in), and k_rest[k] (KREST) steps
@@ -201,8 +202,9 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
       const char* nx = reinterpret_cast<const char*>(next[k]);
       for (int64_t b = (d * kRowBytes + 63) / 64 * 64; b < (d + 2 * DT) * kRowBytes; b += 64)
         prefetch_l2(nx + b);
-      VecF v[DT];
-      for (int u = 0; u < DT; ++u) v[u] = load_f32(src[k] + (d + 2 * u) * H);
+      VecF v[DT];  // rows [d, d + 4): contiguous, one load2_f32 (one fp8 decode for both)
+      static_assert(DT == 2);
+      load2_f32(src[k] + d * H, v[0], v[1]);
       for (int r = 0; r < RT; ++r) {
         const VecF pv = in_register(VecF::loadu(p2[r][k]));
         for (int u = 0; u < DT; ++u) a[r][u] = at::vec::fmadd(v[u], pv, a[r][u]);
@@ -221,19 +223,72 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
   }
 }
 
-// out[d] = sum of lanes [0, W / 2) of acc[(d / 2) * W] for even d, of lanes [W / 2, W) for odd
-// d (pv_half_tile's accumulators).
-inline void reduce_acc_halves(const float* acc, float* out, int64_t D) {
-  for (int64_t d = 0; d < D; d += 2) {
-    alignas(64) float lanes[W];
-    VecF::loadu(acc + d / 2 * W).store(lanes);
-    float lo = 0.f, hi = 0.f;
-    for (int64_t i = 0; i < W / 2; ++i) {
-      lo += lanes[i];
-      hi += lanes[W / 2 + i];
+// p . v by bf16 pair dot products (Layout::dot_pv, block sizes W / 2 and W) for a tile of RT
+// query rows. A [D][bs] bf16 V block is read as vectors of 2 W consecutive elements: vector a
+// holds rows [a * 2 W / bs, (a + 1) * 2 W / bs), all of each, and lane j pairs elements 2 j
+// and 2 j + 1 with the matching probabilities of pb[r][k] (the block's bs probabilities once
+// per row, pack_dot_probabilities). Lane j of accumulator a thus sums row d = a * 2 W / bs +
+// j / L (L = bs / 2 lanes per row): flat index d * L + j % L of the row's acc, which is how
+// sum_lane_groups reads it at the end of the item. acc is kept across groups (rescaled by
+// SoftmaxState::step); init: the item's first group (acc is written, not read). One V load
+// feeds RT dot products and one probability load DT; each vector read asks for the same
+// vector of the next block, and k_rest[k] (KREST) steps with it.
+template <int RT, bool KREST>
+inline void pv_dot_tile(const c10::BFloat16* const* src, int64_t nb, const uint16_t* pb,
+                        int64_t pb_stride, float* acc, int64_t acc_stride, int64_t accs,
+                        bool init, const c10::BFloat16* const* next, PrefetchCursor* k_rest) {
+  constexpr int DT = 4;  // accumulators per step: RT * DT + DT + 1 vectors live
+  constexpr int64_t kVecBytes = 2 * W * static_cast<int64_t>(sizeof(c10::BFloat16));
+  auto step = [&](int64_t a0, auto dt_c) {
+    constexpr int DTc = decltype(dt_c)::value;
+    VecF s[RT][DTc];
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DTc; ++u)
+        s[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (a0 + u) * W);
+    for (int64_t k = 0; k < nb; ++k) {
+      if constexpr (KREST) k_rest[k].step();
+      const char* nx = reinterpret_cast<const char*>(next[k]);
+      BF16Pairs v[DTc];
+      for (int u = 0; u < DTc; ++u) {
+        prefetch_l2(nx + (a0 + u) * kVecBytes);
+        v[u] = load_pairs(src[k] + (a0 + u) * 2 * W);
+      }
+      for (int r = 0; r < RT; ++r) {
+        const BF16Pairs p = pairs_in_register(load_pairs(pb + r * pb_stride + k * 2 * W));
+        for (int u = 0; u < DTc; ++u) s[r][u] = dot_pairs(s[r][u], v[u], p);
+      }
     }
-    out[d] = lo;
-    out[d + 1] = hi;
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DTc; ++u) s[r][u].store(acc + r * acc_stride + (a0 + u) * W);
+  };
+  int64_t a = 0;
+  for (; a + DT <= accs; a += DT) step(a, std::integral_constant<int, DT>{});
+  for (; a < accs; ++a) step(a, std::integral_constant<int, 1>{});
+}
+
+// Steps of one pv_dot_tile call (k_rest's steps per block).
+inline int64_t pv_dot_steps(int64_t accs) { return accs / 4 + accs % 4; }
+
+// The probability operand of pv_dot_tile for rows [0, R) and blocks [0, nb) of a group (p:
+// rows p_stride apart, blocks block_row apart, bs <= block_row): out[r * out_stride + k * 2 W
+// + j] = p[r][k][j % bs], rounded to bf16 (to nearest even, as for AMX tiles).
+inline void pack_dot_probabilities(const float* p, int64_t p_stride, int64_t block_row,
+                                   int64_t R, int64_t nb, int64_t bs, uint16_t* out,
+                                   int64_t out_stride) {
+  auto twice = [](uint16_t* d, auto len_c) {  // d[len, 2 len) = d[0, len), constant length
+    constexpr int64_t len = decltype(len_c)::value;
+    std::memcpy(d + len, d, len * sizeof(uint16_t));
+  };
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t k = 0; k < nb; ++k) {
+      const float* src = p + r * p_stride + k * block_row;
+      uint16_t* dst = out + r * out_stride + k * 2 * W;
+      at::vec::convert_from_float<c10::BFloat16>(VecF::loadu(src), VecF(0.f)).store(dst);
+      for (int64_t len = bs; len < 2 * W; len *= 2) {  // bs: 8 or 16
+        if (len == 8) twice(dst, std::integral_constant<int64_t, 8>{});
+        else twice(dst, std::integral_constant<int64_t, 16>{});
+      }
+    }
   }
 }
 

@@ -180,8 +180,8 @@ inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {
   return (units / 4 + units % 4 / 2 + units % 2) * num_chunks;
 }
 
-// z[t] = sum_i raw[t * X + i] for t < ntok. With X a constant the compiler vectorizes it with
-// permutes (checked in the AVX-512 build's code, which has no sum_lane_groups_by_shuffles).
+// z[t] = sum_i raw[t * X + i] for t < ntok: the tokens sum_lane_groups_by_shuffles leaves
+// (all of them where the build has none), with X a constant so that the compiler vectorizes it.
 template <int X>
 inline void sum_lanes(const float* __restrict raw, int64_t ntok, float* __restrict z) {
   for (int64_t t = 0; t < ntok; ++t) {
@@ -191,10 +191,11 @@ inline void sum_lanes(const float* __restrict raw, int64_t ntok, float* __restri
   }
 }
 
-// z[t] = sum_i raw[t * x + i] for t < ntok: the per-token q.k dot products.
+// z[t] = sum_i raw[t * x + i] for t < ntok: the per-token q.k dot products, or the rows of
+// p.v accumulators whose lanes hold x partial sums per row (Layout::acc_lanes).
 inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z) {
   const int64_t t = sum_lane_groups_by_shuffles(raw, x, ntok, z);  // tokens [0, t) done
-  // x is Layout::x_sum: x = 16 / sizeof(cache element) or half of it, so 4, 8 or 16.
+  // x is Layout::x_sum (16 / sizeof(cache element) or half of it) or acc_lanes: 4, 8 or 16.
   switch (x) {
     case 4: return sum_lanes<4>(raw + t * x, ntok - t, z + t);
     case 8: return sum_lanes<8>(raw + t * x, ntok - t, z + t);
