@@ -266,7 +266,10 @@ SELECTION = getattr(paged_ops, "_selection", None)
 
 def selection_name():
     main, small = SELECTION
-    return f"{main} ({small[0]} for bs <= {small[1]})" if small else main
+    if not small:
+        return main
+    dtypes = "".join(f" {str(d).replace('torch.', '')}" for d in (small[2:3] or [()])[0])
+    return f"{main} ({small[0]} for{dtypes} bs <= {small[1]})"
 
 
 def use_variant(variant):

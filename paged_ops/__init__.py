@@ -45,9 +45,13 @@ __all__ = [
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _C_LIB = ctypes.CDLL(_C.__file__)  # the already-loaded extension, for its C entry points
 _C_LIB.paged_ops_cpu_kernel_name.restype = ctypes.c_char_p
-_C_LIB.paged_ops_cpu_kernel_name.argtypes = [ctypes.c_int64]
+_C_LIB.paged_ops_cpu_kernel_name.argtypes = [ctypes.c_int64, ctypes.c_int32]
 _C_LIB.paged_ops_set_cpu_kernel_table.argtypes = [ctypes.c_void_p]
-_C_LIB.paged_ops_set_cpu_small_block_kernel_table.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+_C_LIB.paged_ops_set_cpu_small_block_kernel_table.argtypes = [ctypes.c_void_p, ctypes.c_int64,
+                                                              ctypes.c_uint32]
+# The kernels' codes of the cache dtypes (DType, csrc/dtype.h).
+_CACHE_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
+                      torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _variant_libs = {}  # name -> loaded variant library (kept alive, loaded once)
 
 
@@ -61,19 +65,28 @@ _VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16", "avx512_amx")
 
 # The builds an AVX-512 CPU can run, fastest first as measured on one (docs/cpu_kernel_selection.md:
 # a Sapphire Rapids Xeon, every cache dtype and block size 8-256, interleaved A/B): the AVX-512
-# builds lead from block size 16 up, the AVX2 build below it (_SMALL_BLOCKS); the AMX build
-# measured no faster than avx512_bf16 on caches read from memory, so it runs only when asked for.
+# builds lead everywhere but at block size 8 with an fp32 cache, where the AVX2 build runs
+# (_SMALL_BLOCKS); the AMX build measured no faster than avx512_bf16 on caches read from
+# memory, so it runs only when asked for.
 _AVX512_PREFERENCE = ["avx512_bf16", "avx512", "avx2", "avx512_amx"]
-# Selected build -> (the build for small blocks, the largest block size it runs).
-_SMALL_BLOCKS = {"avx512_bf16": ("avx2", 8), "avx512": ("avx2", 8)}
+# Selected build -> (the build for small blocks, the largest block size it runs, the cache
+# dtypes it runs there).
+_SMALL_BLOCKS = {"avx512_bf16": ("avx2", 8, (torch.float32,)),
+                 "avx512": ("avx2", 8, (torch.float32,))}
 _selection: tuple = ("default", None)  # set_cpu_kernel_variant's arguments, for restoring
 
 
-def cpu_kernel_variant(block_size: int | None = None) -> str:
+def cpu_kernel_variant(block_size: int | None = None,
+                       cache_dtype: torch.dtype = torch.bfloat16) -> str:
     """The CPU attention kernel build that runs calls of ``block_size`` (by default: of large
-    block sizes): ``"avx512_amx"``, ``"avx512_bf16"``, ``"avx512"``, ``"avx2"`` or
-    ``"default"``. On an AVX-512 CPU two builds share the work, by block size."""
-    return _C_LIB.paged_ops_cpu_kernel_name(block_size or 0).decode()
+    block sizes) with a cache of ``cache_dtype``: ``"avx512_amx"``, ``"avx512_bf16"``,
+    ``"avx512"``, ``"avx2"`` or ``"default"``. On an AVX-512 CPU two builds share the work, by
+    block size and cache dtype."""
+    if cache_dtype not in _CACHE_DTYPE_CODES:
+        raise ValueError(f"cache_dtype must be one of {list(_CACHE_DTYPE_CODES)}, "
+                         f"got {cache_dtype}")
+    return _C_LIB.paged_ops_cpu_kernel_name(block_size or 0,
+                                            _CACHE_DTYPE_CODES[cache_dtype]).decode()
 
 
 def _variant_library(name: str) -> str | None:
@@ -118,10 +131,11 @@ def _kernel_table(name: str):
     return lib.paged_ops_cpu_kernel_table()
 
 
-def set_cpu_kernel_variant(name: str, *, small_blocks: tuple[str, int] | None = None) -> None:
+def set_cpu_kernel_variant(name: str, *, small_blocks: tuple | None = None) -> None:
     """Switch the CPU attention kernel to ``name`` (one of :func:`supported_cpu_kernel_variants`)
     for every block size, or with ``small_blocks=(other, max_block_size)`` to ``other`` for
-    calls of block size up to ``max_block_size``.
+    calls of block size up to ``max_block_size``; ``(other, max_block_size, cache_dtypes)``
+    limits that to caches of the dtypes listed.
 
     Meant for tests and benchmarks; at import the fastest supported builds are chosen, or the
     one the environment variable
@@ -136,7 +150,10 @@ def set_cpu_kernel_variant(name: str, *, small_blocks: tuple[str, int] | None = 
         raise RuntimeError(f"{_variant_library(name)} is from an incompatible build; "
                            "rebuild paged_ops")
     if small_blocks:
-        if _C_LIB.paged_ops_set_cpu_small_block_kernel_table(small, int(small_blocks[1])) != 0:
+        dtypes = small_blocks[2] if len(small_blocks) > 2 else tuple(_CACHE_DTYPE_CODES)
+        mask = sum(1 << _CACHE_DTYPE_CODES[d] for d in set(dtypes))
+        if _C_LIB.paged_ops_set_cpu_small_block_kernel_table(small, int(small_blocks[1]),
+                                                              mask) != 0:
             raise RuntimeError(f"{_variant_library(small_blocks[0])} is from an incompatible "
                                "build; rebuild paged_ops")
     _selection = (name, tuple(small_blocks) if small_blocks else None)

@@ -48,6 +48,8 @@ def test_ab_kernels_extracts_a_revision_and_the_working_tree(tmp_path):
 def test_bench_attention_grid_smoke(tmp_path):
     # The grid of bench_attention.py on tiny caches: a row per (dtype, block size, shape, CPU
     # kernel build), each build's output checked against gather + SDPA, the CSV and the plot.
+    import torch
+
     import paged_ops
 
     ba = load("bench_attention")
@@ -65,7 +67,7 @@ def test_bench_attention_grid_smoke(tmp_path):
         assert r["layers"] >= 2 and r["gbs"] > 0 and r["pct_bw"] > 0
         assert r["max_err"] < 2e-2, r
     assert paged_ops._selection == selected  # the selection is restored
-    assert paged_ops.cpu_kernel_variant(8) == (selected[1] or selected)[0]
+    assert paged_ops.cpu_kernel_variant(8, torch.float32) == (selected[1] or selected)[0]
     with open(csv_path) as fh:
         assert len(fh.read().splitlines()) == len(grid) + 1
     assert png_path.stat().st_size > 0

@@ -25,30 +25,33 @@ def test_default_is_the_fastest_supported():
     assert res.stdout.strip() == paged_ops.supported_cpu_kernel_variants()[0]
 
 
-def test_avx512_cpus_run_avx2_for_small_blocks(monkeypatch):
+def test_avx512_cpus_run_avx2_for_fp32_at_small_blocks(monkeypatch):
     # Measured on an AVX-512 CPU (a Sapphire Rapids Xeon, every cache dtype and block size
-    # 8-256): the AVX-512 builds lead from block size 16 up, AVX2 at 8; the AMX build
-    # is no faster from memory and runs only when asked for.
+    # 8-256): the AVX-512 builds lead everywhere but at block size 8 with an fp32 cache, where
+    # AVX2 does; the AMX build is no faster from memory and runs only when asked for.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability",
                         lambda: {"avx512_bf16": True, "amx_tile": True, "amx_bf16": True})
     built = [v for v in ("avx512_bf16", "avx512", "avx2", "avx512_amx")
              if paged_ops._variant_library(v)]
     assert paged_ops.supported_cpu_kernel_variants() == built + ["default"]
-    assert paged_ops._SMALL_BLOCKS == {"avx512_bf16": ("avx2", 8), "avx512": ("avx2", 8)}
+    assert paged_ops._SMALL_BLOCKS == {"avx512_bf16": ("avx2", 8, (torch.float32,)),
+                                       "avx512": ("avx2", 8, (torch.float32,))}
 
 
-def test_the_build_follows_the_block_size():
-    code = ("import paged_ops as p; print(p.cpu_kernel_variant(), *(p.cpu_kernel_variant(b) "
+def test_the_build_follows_the_block_size_and_cache_dtype():
+    code = ("import paged_ops as p, torch; print(p.cpu_kernel_variant(), "
+            "*(p.cpu_kernel_variant(b, d) for d in (torch.bfloat16, torch.float32) "
             "for b in (8, 16, 32, 256)))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     main, *by_bs = res.stdout.split()
     small = paged_ops._SMALL_BLOCKS.get(main)
     if small is None or small[0] not in paged_ops.supported_cpu_kernel_variants():
-        assert by_bs == [main] * 4
+        assert by_bs == [main] * 8
     else:
-        assert by_bs == [small[0], main, main, main] and small[1] == 8
+        assert small[1] == 8 and small[2] == (torch.float32,)
+        assert by_bs == [main] * 4 + [small[0], main, main, main]
     # A build asked for by name (tests, benchmarks) runs every block size; the selection
     # comes back as it was.
     before = paged_ops._selection
@@ -57,6 +60,13 @@ def test_the_build_follows_the_block_size():
         assert {paged_ops.cpu_kernel_variant(b) for b in (0, 8, 16, 256)} == {"default"}
         paged_ops.set_cpu_kernel_variant("default", small_blocks=(main, 16))
         assert [paged_ops.cpu_kernel_variant(b) for b in (8, 16, 17)] == [main, main, "default"]
+        paged_ops.set_cpu_kernel_variant("default", small_blocks=(main, 16, (torch.float16,)))
+        assert [paged_ops.cpu_kernel_variant(b, d) for b, d in
+                ((8, torch.float16), (16, torch.float16), (17, torch.float16),
+                 (8, torch.bfloat16), (8, torch.float8_e4m3fn))] == \
+            [main, main, "default", "default", "default"]
+        with pytest.raises(ValueError, match="cache_dtype"):
+            paged_ops.cpu_kernel_variant(8, torch.int8)
     finally:
         paged_ops._set_selection(before)
     assert paged_ops._selection == before

@@ -22,19 +22,23 @@ const KernelTable* default_kernel_table();  // kernels_default.cpp
 namespace {
 
 std::atomic<const KernelTable*> g_kernels{nullptr};
-// Calls with block_size <= g_small_max_block_size run on g_small_kernels: on a CPU where one
-// build is faster at small blocks and another at large ones, each runs where it measured
-// faster (docs/cpu_kernel_selection.md). Unset (0, null) by paged_ops_set_cpu_kernel_table.
+// Calls with block_size <= g_small_max_block_size and a cache dtype in g_small_cache_dtypes
+// (bit DType) run on g_small_kernels: on a CPU where one build is faster at small blocks and
+// another at large ones, each runs where it measured faster (docs/cpu_kernel_selection.md).
+// Unset (0, null) by paged_ops_set_cpu_kernel_table.
 std::atomic<const KernelTable*> g_small_kernels{nullptr};
 std::atomic<int64_t> g_small_max_block_size{0};
+std::atomic<uint32_t> g_small_cache_dtypes{0};
 
 const KernelTable* kernels() {
   const KernelTable* t = g_kernels.load(std::memory_order_acquire);
   return t ? t : default_kernel_table();
 }
 
-const KernelTable* kernels(int64_t block_size) {
-  if (block_size <= g_small_max_block_size.load(std::memory_order_acquire)) {
+const KernelTable* kernels(int64_t block_size, DType cache_dtype) {
+  const uint32_t bit = 1u << static_cast<int32_t>(cache_dtype);
+  if (block_size <= g_small_max_block_size.load(std::memory_order_acquire) &&
+      (g_small_cache_dtypes.load(std::memory_order_acquire) & bit) != 0) {
     const KernelTable* t = g_small_kernels.load(std::memory_order_acquire);
     if (t != nullptr) return t;
   }
@@ -56,7 +60,7 @@ void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims&
   p.k_scale = fp8 ? host_scale(*a.k_scale) : 1.f;
   p.v_scale = fp8 ? host_scale(*a.v_scale) : 1.f;
   p.num_threads = at::get_num_threads();
-  kernels(d.cache.block_size)->attention(p);
+  kernels(d.cache.block_size, p.cache_dtype)->attention(p);
 }
 
 using Op = AttentionOp<Backend::CPU, &run_attention>;
@@ -78,21 +82,27 @@ extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_kernel_t
   return 0;
 }
 
-// After paged_ops_set_cpu_kernel_table: calls with block_size <= max_block_size run on `table`
-// instead (null: the built-in default kernel). Same return values.
+// After paged_ops_set_cpu_kernel_table: calls with block_size <= max_block_size and a cache
+// dtype whose bit (1 << DType) is set in cache_dtypes run on `table` instead (null: the
+// built-in default kernel). Same return values.
 extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_small_block_kernel_table(
-    const paged::cpu::KernelTable* table, int64_t max_block_size) {
+    const paged::cpu::KernelTable* table, int64_t max_block_size, uint32_t cache_dtypes) {
   if (table != nullptr && table->abi_version != paged::cpu::kKernelAbiVersion) return -1;
   paged::cpu::g_small_kernels.store(table ? table : paged::cpu::default_kernel_table(),
                                     std::memory_order_release);
+  paged::cpu::g_small_cache_dtypes.store(cache_dtypes, std::memory_order_release);
   paged::cpu::g_small_max_block_size.store(max_block_size, std::memory_order_release);
   return 0;
 }
 
-// The kernel build that runs calls of block size `block_size` (0: the one for large blocks).
+// The kernel build that runs calls of block size `block_size` with a cache of DType
+// `cache_dtype` (block_size 0: the one for large blocks).
 extern "C" __attribute__((visibility("default"))) const char* paged_ops_cpu_kernel_name(
-    int64_t block_size) {
-  return (block_size > 0 ? paged::cpu::kernels(block_size) : paged::cpu::kernels())->name;
+    int64_t block_size, int32_t cache_dtype) {
+  if (block_size <= 0 || cache_dtype < 0 ||
+      cache_dtype > static_cast<int32_t>(paged::DType::F8E5M2))
+    return paged::cpu::kernels()->name;
+  return paged::cpu::kernels(block_size, static_cast<paged::DType>(cache_dtype))->name;
 }
 
 // The head sizes (which = 0) or block sizes (which = 1) of cuda_sizes.h, for the tests (through
