@@ -104,7 +104,7 @@ C10_ALWAYS_INLINE __m512 sum16_tokens16(const VecF* r) {
 
 inline VecF reduce_rows(const VecF* r) { return VecF(sum16_tokens16(r)); }
 
-// sum_lane_groups (qk.h) in steps of 16 tokens (of 8 for x = 16, block size 8 at fp8).
+// sum_lane_groups (qk.h) in steps of 16 tokens, then one of 8 (block size 8).
 C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t x, int64_t ntok,
                                                       float* z) {
   auto ld = [&](int64_t i) { return _mm512_loadu_ps(raw + i * W); };
@@ -116,20 +116,34 @@ C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t 
       _mm512_storeu_ps(z + t, sum16_tokens16(r));
     }
     if (t + 8 <= ntok) {
-      const __m512 w = sum_block_pairs(sum4(ld(0), ld(1), ld(2), ld(3)), sum4(ld(4), ld(5), ld(6), ld(7)));
+      const __m512 w =
+          sum_block_pairs(sum4(ld(0), ld(1), ld(2), ld(3)), sum4(ld(4), ld(5), ld(6), ld(7)));
       _mm256_storeu_ps(z + t, _mm512_castps512_ps256(sum_block_pairs(w, w)));
       t += 8;
     }
   } else if (x == 8) {  // two tokens per vector: blocks of w are tokens [0 2 4 6 | 1 3 5 7 | ...]
     const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     for (; t + 16 <= ntok; t += 16, raw += 8 * W) {
-      const __m512 w = sum_block_pairs(sum4(ld(0), ld(1), ld(2), ld(3)), sum4(ld(4), ld(5), ld(6), ld(7)));
+      const __m512 w =
+          sum_block_pairs(sum4(ld(0), ld(1), ld(2), ld(3)), sum4(ld(4), ld(5), ld(6), ld(7)));
       _mm512_storeu_ps(z + t, _mm512_permutexvar_ps(order, w));
+    }
+    if (t + 8 <= ntok) {  // block size 8: blocks of w are tokens [0 2 4 6 | 1 3 5 7 | again]
+      const __m512 u = sum4(ld(0), ld(1), ld(2), ld(3));
+      const __m512 w = _mm512_permutexvar_ps(order, sum_block_pairs(u, u));
+      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(w));
+      t += 8;
     }
   } else if (x == 4) {  // four tokens per vector: lane 4 j + k of u is token 4 k + j
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     for (; t + 16 <= ntok; t += 16, raw += 4 * W)
       _mm512_storeu_ps(z + t, _mm512_permutexvar_ps(order, sum4(ld(0), ld(1), ld(2), ld(3))));
+    if (t + 8 <= ntok) {  // block size 8: two vectors, lanes 2 and 3 of each block unused
+      const __m512 zero = _mm512_setzero_ps();
+      const __m512 u = sum4(ld(0), ld(1), zero, zero);
+      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, u)));
+      t += 8;
+    }
   }
   return t;
 }
