@@ -323,11 +323,12 @@ struct ItemWorker {
         return;
       }
     }
-    // pv_group and pv_dot_tile start their sums themselves on the first group (init);
-    // pv_row_any and pv_half_tile add, and an item without blocks (empty split, seq_len 0)
-    // still turns its sums into rows.
+    // pv_group, pv_half_tile and pv_dot_tile start their sums themselves on the first group
+    // (init); pv_row_any adds, and an item without blocks (empty split, seq_len 0) still
+    // turns its sums into rows.
     const bool no_pv = !PAGED_OPS_PHASE_PV || it.b_first > it.b_last;  // sums start at 0
-    if ((!layout.fast_pv && !layout.dot_pv) || (layout.dot_pv && no_pv))
+    const bool pv_inits = layout.fast_pv || layout.half_pv || layout.dot_pv;
+    if (!pv_inits || (no_pv && !layout.fast_pv))
       std::fill(scratch.acc.begin(), scratch.acc.begin() + it.nh * R * layout.acc_row, 0.f);
     else if (no_pv)
       std::fill(scratch.ot.begin(), scratch.ot.begin() + it.nh * R * D, 0.f);
@@ -560,11 +561,11 @@ struct ItemWorker {
       for (; r + 4 <= R; r += 4)
         pv_half_tile<4, kSplitKeyPrefetch>(src, nb, scratch.p.data() + r * group_row, group_row,
                                            layout.block_row, acc_h + r * acc_row, acc_row, D,
-                                           g.v_next, k_rest);
+                                           g.v_next, k_rest, first);
       for (; r < R; ++r)
         pv_half_tile<1, kSplitKeyPrefetch>(src, nb, scratch.p.data() + r * group_row, group_row,
                                            layout.block_row, acc_h + r * acc_row, acc_row, D,
-                                           g.v_next, k_rest);
+                                           g.v_next, k_rest, first);
       return;
     }
     if (!layout.fast_pv) {

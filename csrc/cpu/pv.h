@@ -175,7 +175,8 @@ inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D
 // end of the item sums them by sum_lane_groups, W / 2 lanes per row d). A tile of RT rows
 // keeps DT accumulators each in registers over the nb blocks of the group (one V load feeds RT
 // FMAs); acc holds them between groups (rescaled by SoftmaxState::step). Partly visible blocks
-// arrive with their hidden columns zeroed.
+// arrive with their hidden columns zeroed. init: the item's first group (acc is written, not
+// read).
 //
 // Each step reads rows [d, d + 4) of every block and asks for the same rows of the next blocks
 // (next[k]; each line once, in the step whose rows it starts in), and k_rest[k] (KREST) steps
@@ -184,7 +185,7 @@ inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D
 template <int RT, bool KREST, typename VT, typename NT>
 inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64_t p_stride,
                          int64_t block_row, float* acc, int64_t acc_stride, int64_t D,
-                         const NT* const* next, PrefetchCursor* k_rest) {
+                         const NT* const* next, PrefetchCursor* k_rest, bool init) {
   constexpr int64_t H = W / 2;
   constexpr int DT = 2;  // pairs of rows d per step
   constexpr int64_t kRowBytes = H * static_cast<int64_t>(sizeof(NT));
@@ -196,7 +197,8 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
   for (; d + 2 * DT <= D; d += 2 * DT) {
     VecF a[RT][DT];
     for (int r = 0; r < RT; ++r)
-      for (int u = 0; u < DT; ++u) a[r][u] = VecF::loadu(acc + r * acc_stride + (d / 2 + u) * W);
+      for (int u = 0; u < DT; ++u)
+        a[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d / 2 + u) * W);
     for (int64_t k = 0; k < nb; ++k) {
       if constexpr (KREST) k_rest[k].step();
       const char* nx = reinterpret_cast<const char*>(next[k]);
@@ -215,7 +217,7 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
   }
   for (; d < D; d += 2) {  // D % 4 == 2
     for (int r = 0; r < RT; ++r) {
-      VecF a = VecF::loadu(acc + r * acc_stride + d / 2 * W);
+      VecF a = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + d / 2 * W);
       for (int64_t k = 0; k < nb; ++k)
         a = at::vec::fmadd(load_f32(src[k] + d * H), VecF::loadu(p2[r][k]), a);
       a.store(acc + r * acc_stride + d / 2 * W);
