@@ -154,15 +154,19 @@ inline void amx_pv_group(const c10::BFloat16* const* v, int64_t nb, int64_t bs, 
     amx::zero<kPvC0>();
     if (two) amx::zero<kPvC1>();
     for (int64_t k = 0; k < nb; ++k) {
-      // The same rows of the next block, meanwhile.
+      // The same rows of the next block, meanwhile, a share before each tile load: asked for
+      // in one burst (8 KiB at block size 128) they waited for the core's miss buffers, and
+      // the tile loads behind them (paced: 1.07-1.19x at block sizes 128 and 256).
       const char* pf = reinterpret_cast<const char*>(next[k]) + d0 * vrow_bytes;
       const int64_t pf_bytes = (two ? 32 : 16) * vrow_bytes;
-      for (int64_t b = 0; b < pf_bytes; b += 64) prefetch_l2(pf + b);
+      PrefetchCursor vpf(pf, pf_bytes, bs / tok * (two ? 2 : 1));
       for (int64_t s = 0; s < bs; s += tok) {
+        vpf.step();
         amx::load<kPvB>(pvnni + (k * bs + s) / 2 * 16, 64);
         amx::load<kPvA>(v[k] + d0 * bs + s, vrow_bytes);
         amx::dp_bf16<kPvC0, kPvA, kPvB>();
         if (two) {
+          vpf.step();
           amx::load<kPvA>(v[k] + (d0 + 16) * bs + s, vrow_bytes);
           amx::dp_bf16<kPvC1, kPvA, kPvB>();
         }
