@@ -268,8 +268,9 @@ def selection_name():
     main, small = SELECTION
     if not small:
         return main
-    dtypes = "".join(f" {str(d).replace('torch.', '')}" for d in (small[2:3] or [()])[0])
-    return f"{main} ({small[0]} for{dtypes} bs <= {small[1]})"
+    dtypes = small[2] if len(small) > 2 else ()  # as set_cpu_kernel_variant reads it
+    names = "".join(f" {str(d).removeprefix('torch.')}" for d in dtypes)
+    return f"{main} ({small[0]} for{names} bs <= {small[1]})"
 
 
 def use_variant(variant):

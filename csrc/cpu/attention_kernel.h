@@ -337,7 +337,7 @@ struct ItemWorker {
   // Steps of p.v per block over all rows of a kv head (k_rest's): pv_half_tile's steps, or
   // pv_group's vector iterations.
   int64_t pv_calls() const {
-    if (layout.half_pv) return (R / 4 + R % 4) * (layout.D / 4);  // pv_half_tile's steps
+    if (layout.half_pv) return (R / 4 + R % 4) * pv_half_steps(layout.D);
     if (layout.dot_pv) return (R / 4 + R % 4) * pv_dot_steps(layout.dot_accs);
     const int nv_template = static_cast<int>(std::min<int64_t>(layout.NV, 4));  // pv's NVc
     return (R / 4 + R % 4) * pv_steps(nv_template, layout.D) * layout.NV;

@@ -94,40 +94,37 @@ C10_ALWAYS_INLINE __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 C10_ALWAYS_INLINE __m512 sum_block_pairs(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
 }
-// Sums of 16 tokens of 16 lanes (r[t]: token t) in token order.
-C10_ALWAYS_INLINE __m512 sum16_tokens16(const VecF* r) {
+// Lane k = the sum of r[k]'s lanes, for 16 vectors.
+inline VecF reduce_rows(const VecF* r) {
   const __m512 w0 = sum_block_pairs(sum4(r[0], r[1], r[2], r[3]), sum4(r[4], r[5], r[6], r[7]));
   const __m512 w1 =
       sum_block_pairs(sum4(r[8], r[9], r[10], r[11]), sum4(r[12], r[13], r[14], r[15]));
-  return sum_block_pairs(w0, w1);
+  return VecF(sum_block_pairs(w0, w1));
 }
-
-inline VecF reduce_rows(const VecF* r) { return VecF(sum16_tokens16(r)); }
 
 // sum_lane_groups (qk.h) in steps of 16 tokens, then one of 8 (block size 8).
 C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t x, int64_t ntok,
                                                       float* z) {
   auto ld = [&](int64_t i) { return _mm512_loadu_ps(raw + i * W); };
+  // Vectors [i, i + 8): blocks [v0-3 low half, v0-3 high half, v4-7 low, v4-7 high] (sum4 of
+  // each quad, then sum_block_pairs).
+  auto tree8 = [&](int64_t i) {
+    return sum_block_pairs(sum4(ld(i), ld(i + 1), ld(i + 2), ld(i + 3)),
+                           sum4(ld(i + 4), ld(i + 5), ld(i + 6), ld(i + 7)));
+  };
   int64_t t = 0;
   if (x == 16) {  // a token per vector
-    for (; t + 16 <= ntok; t += 16, raw += 16 * W) {
-      VecF r[16];
-      for (int k = 0; k < 16; ++k) r[k] = VecF(ld(k));
-      _mm512_storeu_ps(z + t, sum16_tokens16(r));
-    }
+    for (; t + 16 <= ntok; t += 16, raw += 16 * W)
+      _mm512_storeu_ps(z + t, sum_block_pairs(tree8(0), tree8(8)));
     if (t + 8 <= ntok) {
-      const __m512 w =
-          sum_block_pairs(sum4(ld(0), ld(1), ld(2), ld(3)), sum4(ld(4), ld(5), ld(6), ld(7)));
+      const __m512 w = tree8(0);
       _mm256_storeu_ps(z + t, _mm512_castps512_ps256(sum_block_pairs(w, w)));
       t += 8;
     }
   } else if (x == 8) {  // two tokens per vector: blocks of w are tokens [0 2 4 6 | 1 3 5 7 | ...]
     const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-    for (; t + 16 <= ntok; t += 16, raw += 8 * W) {
-      const __m512 w =
-          sum_block_pairs(sum4(ld(0), ld(1), ld(2), ld(3)), sum4(ld(4), ld(5), ld(6), ld(7)));
-      _mm512_storeu_ps(z + t, _mm512_permutexvar_ps(order, w));
-    }
+    for (; t + 16 <= ntok; t += 16, raw += 8 * W)
+      _mm512_storeu_ps(z + t, _mm512_permutexvar_ps(order, tree8(0)));
     if (t + 8 <= ntok) {  // block size 8: blocks of w are tokens [0 2 4 6 | 1 3 5 7 | again]
       const __m512 u = sum4(ld(0), ld(1), ld(2), ld(3));
       const __m512 w = _mm512_permutexvar_ps(order, sum_block_pairs(u, u));

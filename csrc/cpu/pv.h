@@ -182,12 +182,15 @@ inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D
 // (next[k]; each line once, in the step whose rows it starts in), and k_rest[k] (KREST) steps
 // once per block and step: without them the core's miss buffers sat idle through p.v and the
 // V loads missed (62% of pv's samples on the V load).
+constexpr int kHalfPairsPerStep = 2;  // pv_half_tile's pairs of rows d per step
+// pv_half_tile's steps of a pass over D rows (each block's k_rest steps once per step).
+inline int64_t pv_half_steps(int64_t D) { return D / (2 * kHalfPairsPerStep); }
 template <int RT, bool KREST, typename VT, typename NT>
 inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64_t p_stride,
                          int64_t block_row, float* acc, int64_t acc_stride, int64_t D,
                          const NT* const* next, PrefetchCursor* k_rest, bool init) {
   constexpr int64_t H = W / 2;
-  constexpr int DT = 2;  // pairs of rows d per step
+  constexpr int DT = kHalfPairsPerStep;
   constexpr int64_t kRowBytes = H * static_cast<int64_t>(sizeof(NT));
   alignas(64) float p2[RT][kGroup][W];
   for (int r = 0; r < RT; ++r)
