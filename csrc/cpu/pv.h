@@ -52,11 +52,24 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // registers); NB = 0: nb. NV = 4: any multiple of 4 vectors per V row (nv_in of them, block
 // sizes 4 W and up), in steps of 4.
 constexpr bool kLaneAcc = W == 16;
-#ifndef PAGED_OPS_PV_DT_WIDE
-#define PAGED_OPS_PV_DT_WIDE 2
-#endif
 // V rows per pv_group step, and the steps of a pass over D rows (as pv_group takes them).
-constexpr int pv_rows_per_step(int NV) { return NV == 2 ? 3 : NV == 1 ? 2 : PAGED_OPS_PV_DT_WIDE; }
+// Where 32 vector registers hold them (16 lanes), 4 rows: 16 accumulators for a tile of 4
+// query rows, 4 V vectors and a probability. Against 2 rows (block sizes 64-256) and 3 rows
+// (32), on the Xeon of benchmarks/RESULTS.md: bs 64-256 1.00-1.10x (fp32, fp16, bf16, fp8),
+// bs 16 fp16 1.03-1.07x, fp32 and fp8 0.97-1.03x; bs 32 0.98-1.06x (kept at 3). The 8-lane
+// builds (16 registers) take 2 and 3. The switches are for such measurements.
+#ifndef PAGED_OPS_PV_DT_WIDE
+#define PAGED_OPS_PV_DT_WIDE (W == 16 ? 4 : 2)
+#endif
+#ifndef PAGED_OPS_PV_DT_NV2
+#define PAGED_OPS_PV_DT_NV2 3
+#endif
+#ifndef PAGED_OPS_PV_DT_NV1
+#define PAGED_OPS_PV_DT_NV1 (W == 16 ? 4 : 2)
+#endif
+constexpr int pv_rows_per_step(int NV) {
+  return NV == 2 ? PAGED_OPS_PV_DT_NV2 : NV == 1 ? PAGED_OPS_PV_DT_NV1 : PAGED_OPS_PV_DT_WIDE;
+}
 inline int64_t pv_steps(int NV, int64_t D) {
   const int64_t dt = pv_rows_per_step(NV);
   int64_t n = D / dt, rest = D % dt;
@@ -87,7 +100,8 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
   // DT V rows per step share each probability load (one load feeds DT FMAs). RT * DT
   // accumulators: each takes NV * nb dependent FMAs per step, so 8 (RT = 4, DT = 2) just
   // cover the FMA latency x throughput and stall on any delay; 12 measured 5-10% faster for
-  // 16-bit caches (fp32: same). The V vectors are loaded per half i (3 + 12 + 1 registers).
+  // 16-bit caches on AVX2 (fp32: same), 16 faster again on AVX-512 (pv_rows_per_step). The V
+  // vectors are loaded per vector iteration i (DT + RT * DT + 1 registers).
   constexpr int DT = pv_rows_per_step(NV);
   auto step = [&](int64_t d, auto dt_c) {
     constexpr int DTc = decltype(dt_c)::value;
