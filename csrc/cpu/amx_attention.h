@@ -43,6 +43,12 @@ constexpr int64_t kAmxX = 8;
 inline bool amx_block_size_ok(int64_t bs) { return bs == 8 || bs == 16 || bs == 32 || bs % 64 == 0; }
 inline int64_t amx_qk_tokens(int64_t bs) { return std::min<int64_t>(bs, 64); }
 inline int64_t amx_pv_tokens(int64_t bs) { return std::min<int64_t>(bs, 32); }
+// From 64 tokens every tile is 16 rows of 64 bytes, so q.k and p.v may borrow each other's.
+inline bool amx_tiles_alike(int64_t bs) { return bs % 64 == 0; }
+#ifndef PAGED_OPS_AMX_TWO_CHAINS
+#define PAGED_OPS_AMX_TWO_CHAINS 1
+#endif
+constexpr bool kAmxTwoChains = PAGED_OPS_AMX_TWO_CHAINS;
 
 inline void amx_configure(int64_t bs) {
   const int qk_rows = static_cast<int>(amx_qk_tokens(bs) / 4);
@@ -82,12 +88,30 @@ inline void amx_qk_block(const c10::BFloat16* kblk, const uint16_t* qtiles, int6
                          PrefetchCursor& pf) {
   const int64_t num_chunks = D / kAmxX, tok = amx_qk_tokens(bs), rows = tok / 4;
   const int64_t quads = (R + 3) / 4;
+  const bool wide = amx_tiles_alike(bs);
   for (int64_t s = 0; s < bs; s += tok) {
     for (int64_t q0 = 0; q0 < quads; q0 += 2) {
       const bool two = q0 + 1 < quads;
       amx::zero<kQkC0>();
-      if (two) amx::zero<kQkC1>();
-      for (int64_t c = 0; c < num_chunks; ++c) {
+      // One quad with every tile of one shape (64-token tiles): the odd chunks go to a second
+      // chain on p.v's tiles, so that two key tile loads are in flight, not one at a time
+      // behind its product (the tiles are not renamed).
+      const bool chains = !two && kAmxTwoChains && wide;
+      if (two || chains) amx::zero<kQkC1>();
+      int64_t c = 0;
+      if (chains) {
+        for (; c + 2 <= num_chunks; c += 2) {
+          pf.step();
+          amx::load<kQkA>(kblk + (c * bs + s) * kAmxX, 64);
+          amx::load<kQkB>(qtiles + (q0 * num_chunks + c) * 512, 64);
+          pf.step();
+          amx::load<kPvA>(kblk + ((c + 1) * bs + s) * kAmxX, 64);
+          amx::load<kPvB>(qtiles + (q0 * num_chunks + c + 1) * 512, 64);
+          amx::dp_bf16<kQkC0, kQkA, kQkB>();
+          amx::dp_bf16<kQkC1, kPvA, kPvB>();
+        }
+      }
+      for (; c < num_chunks; ++c) {
         pf.step();
         amx::load<kQkA>(kblk + (c * bs + s) * kAmxX, 64);
         amx::load<kQkB>(qtiles + (q0 * num_chunks + c) * 512, 64);
@@ -98,13 +122,16 @@ inline void amx_qk_block(const c10::BFloat16* kblk, const uint16_t* qtiles, int6
         }
       }
       amx::store<kQkC0>(cbuf, 64);
-      if (two) amx::store<kQkC1>(cbuf + 256, 64);
+      if (two || chains) amx::store<kQkC1>(cbuf + 256, 64);
       for (int64_t qd = q0; qd < q0 + (two ? 2 : 1); ++qd) {
         const float* cb = cbuf + (qd - q0) * 256;
         for (int64_t m = 0; m < 4 && qd * 4 + m < R; ++m) {
           float* zr = z + (qd * 4 + m) * z_stride + s;
           for (int64_t row = 0; row < rows; ++row)
-            for (int64_t j = 0; j < 4; ++j) zr[4 * row + j] = cb[row * 16 + 4 * m + j];
+            for (int64_t j = 0; j < 4; ++j) {
+              const int64_t i = row * 16 + 4 * m + j;
+              zr[4 * row + j] = chains ? cb[i] + cb[256 + i] : cb[i];
+            }
         }
       }
     }
@@ -149,6 +176,7 @@ inline void amx_pv_group(const c10::BFloat16* const* v, int64_t nb, int64_t bs, 
   static_assert(!kAmx || W == 16, "the p.v accumulators are 16 rows, one vector per d");
   const int64_t tok = amx_pv_tokens(bs), vrow_bytes = bs * 2;
   const VecF va = VecF::loadu(alpha);
+  const bool chains = kAmxTwoChains && amx_tiles_alike(bs);
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     const bool two = d0 + 16 < D;
     amx::zero<kPvC0>();
@@ -164,6 +192,13 @@ inline void amx_pv_group(const c10::BFloat16* const* v, int64_t nb, int64_t bs, 
         vpf.step();
         amx::load<kPvB>(pvnni + (k * bs + s) / 2 * 16, 64);
         amx::load<kPvA>(v[k] + d0 * bs + s, vrow_bytes);
+        if (two && chains) {  // the second rows' tile loads while the first one's product runs
+          vpf.step();
+          amx::load<kQkA>(v[k] + (d0 + 16) * bs + s, vrow_bytes);
+          amx::dp_bf16<kPvC0, kPvA, kPvB>();
+          amx::dp_bf16<kPvC1, kQkA, kPvB>();
+          continue;
+        }
         amx::dp_bf16<kPvC0, kPvA, kPvB>();
         if (two) {
           vpf.step();

@@ -101,12 +101,15 @@ inline void store(void* p, int64_t stride) {
 // p.v into 6 and 7 from 4 and 5).
 template <int C, int A, int B>
 inline void dp_bf16() {
-  static_assert((C == 2 || C == 3) && A == 0 && B == 1 || (C == 6 || C == 7) && A == 4 && B == 5,
+  constexpr int k = C * 100 + A * 10 + B;
+  static_assert(k == 201 || k == 301 || k == 645 || k == 745 || k == 345 || k == 705,
                 "add the combination here");
-  if constexpr (C == 2) _tile_dpbf16ps(2, 0, 1);
-  else if constexpr (C == 3) _tile_dpbf16ps(3, 0, 1);
-  else if constexpr (C == 6) _tile_dpbf16ps(6, 4, 5);
-  else _tile_dpbf16ps(7, 4, 5);
+  if constexpr (k == 201) _tile_dpbf16ps(2, 0, 1);
+  else if constexpr (k == 301) _tile_dpbf16ps(3, 0, 1);
+  else if constexpr (k == 645) _tile_dpbf16ps(6, 4, 5);
+  else if constexpr (k == 745) _tile_dpbf16ps(7, 4, 5);
+  else if constexpr (k == 345) _tile_dpbf16ps(3, 4, 5);
+  else _tile_dpbf16ps(7, 0, 5);
 }
 
 #else
