@@ -123,6 +123,28 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
         for (int64_t b = 0; b < DTc * vrow_bytes; b += 64) prefetch_l2(pf + b);
       }
       for (int64_t i0 = 0; i0 < nv; i0 += NV) {
+        // fp8 rows two vectors at a time on the 16-lane builds: one 32-byte load, widened and
+        // shifted once for both (load2_f32). Against one at a time, e4m3 and e5m2 on
+        // avx512_bf16: block size 32 1.06-1.12x, 64-256 0.99-1.06x. (8 lanes: 16 registers
+        // do not hold twice the V vectors of a step.)
+        if constexpr (W == 16 && NV >= 2 && is_fp8_v<VT> && kDecodeFp8) {
+          for (int i = static_cast<int>(i0); i < i0 + NV; i += 2) {
+            if constexpr (KREST) k_rest[k].step();
+            if (paced) vpf.step();
+            if constexpr (KREST) k_rest[k].step();
+            if (paced) vpf.step();
+            VecF v0[DTc], v1[DTc];
+            for (int u = 0; u < DTc; ++u) load2_f32(src[k] + (d + u) * BPv + i * W, v0[u], v1[u]);
+            for (int r = 0; r < RT; ++r) {
+              const float* pr = p + r * p_stride + k * BPv + i * W;
+              const VecF p0 = in_register(VecF::loadu(pr));
+              for (int u = 0; u < DTc; ++u) a[r][u] = at::vec::fmadd(v0[u], p0, a[r][u]);
+              const VecF p1 = in_register(VecF::loadu(pr + W));
+              for (int u = 0; u < DTc; ++u) a[r][u] = at::vec::fmadd(v1[u], p1, a[r][u]);
+            }
+          }
+          continue;
+        }
         for (int i = static_cast<int>(i0); i < i0 + NV; ++i) {
           if constexpr (KREST) k_rest[k].step();
           if (paced) vpf.step();
