@@ -98,7 +98,8 @@ inline void store(void* p, int64_t stride) {
 }
 #undef PAGED_OPS_AMX_EACH_TILE
 // The combinations the kernel uses (amx_attention.h: q.k into tiles 2 and 3 from 0 and 1,
-// p.v into 6 and 7 from 4 and 5).
+// p.v into 6 and 7 from 4 and 5; from 64 tokens the second chains borrow the other phase's
+// tiles: q.k into 3 from 4 and 5, p.v into 7 from 0 and 5).
 template <int C, int A, int B>
 inline void dp_bf16() {
   constexpr int k = C * 100 + A * 10 + B;
