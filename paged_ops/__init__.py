@@ -108,7 +108,9 @@ def supported_cpu_kernel_variants() -> list[str]:
     at import); ``"default"`` is always last."""
     cap = torch.backends.cpu.get_cpu_capability().upper()
     order = {"AVX512": list(_AVX512_PREFERENCE), "AVX2": ["avx2"]}.get(cap, [])
-    if not _cpu_has("avx512_bf16"):
+    # avx512_bf16 and avx512_amx are also compiled for AVX512-VBMI (fp8 keys decoded by byte
+    # tables, vpermi2b): every CPU with AVX512-BF16 has it but Cooper Lake, which runs avx512.
+    if not _cpu_has("avx512_bf16", "avx512_vbmi"):
         order = [n for n in order if n not in ("avx512_bf16", "avx512_amx")]
     if not _cpu_has("amx_tile", "amx_bf16"):
         order = [n for n in order if n != "avx512_amx"]

@@ -14,8 +14,9 @@ _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf1
 VARIANTS = {
     "avx2": (["-mavx2", "-mfma", "-mf16c"], "AVX2"),
     "avx512": (_AVX512, "AVX512"),
-    "avx512_bf16": (_AVX512 + ["-mavx512bf16"], "AVX512"),
-    "avx512_amx": (_AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"], "AVX512"),
+    "avx512_bf16": (_AVX512 + ["-mavx512bf16", "-mavx512vbmi"], "AVX512"),
+    "avx512_amx": (_AVX512 + ["-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16"],
+                   "AVX512"),
 }
 
 
@@ -26,8 +27,10 @@ COMMON_CFLAGS = ["-std=c++20", "-fPIC", "-shared", "-fopenmp", "-fvisibility=hid
 # widened to 16 lanes, no ISA flags; lanes16_dot adds the avx512_bf16 build's bf16 dot products
 # through the kernel's portable emulation of vdpbf16ps, lanes16_amx the avx512_amx build's tile
 # operations through their portable emulation (csrc/cpu/amx_tiles.h).
-EMULATED = {"lanes16": [], "lanes16_dot": ["-DPAGED_OPS_DOT_BF16=1"],
-            "lanes16_amx": ["-DPAGED_OPS_DOT_BF16=1", "-DPAGED_OPS_AMX=1"]}
+EMULATED = {"lanes16": [],
+            "lanes16_dot": ["-DPAGED_OPS_DOT_BF16=1", "-DPAGED_OPS_FP8_TABLES=1"],
+            "lanes16_amx": ["-DPAGED_OPS_DOT_BF16=1", "-DPAGED_OPS_FP8_TABLES=1",
+                            "-DPAGED_OPS_AMX=1"]}
 
 
 def variant_source(name: str) -> str:

@@ -31,7 +31,8 @@ def test_avx512_cpus_run_avx2_for_fp32_at_small_blocks(monkeypatch):
     # AVX2 does; the AMX build is no faster from memory and runs only when asked for.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability",
-                        lambda: {"avx512_bf16": True, "amx_tile": True, "amx_bf16": True})
+                        lambda: {"avx512_bf16": True, "avx512_vbmi": True, "amx_tile": True,
+                                 "amx_bf16": True})
     built = [v for v in ("avx512_bf16", "avx512", "avx2", "avx512_amx")
              if paged_ops._variant_library(v)]
     assert paged_ops.supported_cpu_kernel_variants() == built + ["default"]
@@ -108,17 +109,20 @@ def test_aten_capability_limits_the_builds():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("vbmi", [False, True])
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_and_amx_builds_only_where_the_cpu_has_them(monkeypatch, bf16, amx):
-    # What an AVX-512 CPU would be offered, with and without AVX512-BF16 and AMX-BF16 (ATen's
-    # cpuinfo flags): the AMX build needs both.
+def test_bf16_and_amx_builds_only_where_the_cpu_has_them(monkeypatch, bf16, vbmi, amx):
+    # What an AVX-512 CPU would be offered, with and without AVX512-BF16, AVX512-VBMI and
+    # AMX-BF16 (ATen's cpuinfo flags): avx512_bf16 needs the first two (Cooper Lake has
+    # AVX512-BF16 without VBMI), the AMX build all three.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability",
-                        lambda: {"avx512_bf16": bf16, "amx_tile": amx, "amx_bf16": amx})
+                        lambda: {"avx512_bf16": bf16, "avx512_vbmi": vbmi, "amx_tile": amx,
+                                 "amx_bf16": amx})
     built = [v for v in ("avx512_bf16", "avx512", "avx2", "avx512_amx")
              if paged_ops._variant_library(v)]
-    expect = [v for v in built
-              if (bf16 or v not in ("avx512_bf16", "avx512_amx")) and (amx or v != "avx512_amx")]
+    expect = [v for v in built if (bf16 and vbmi or v not in ("avx512_bf16", "avx512_amx"))
+              and (amx or v != "avx512_amx")]
     assert paged_ops.supported_cpu_kernel_variants() == expect + ["default"]
 
 

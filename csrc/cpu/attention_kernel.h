@@ -121,6 +121,10 @@ struct Layout {
   // CPU has them (kDotBF16) and the block's chunk is whole units of 2 W elements. qrep then
   // holds the unscaled bf16 q (qk_scale multiplies the logits instead: q stays exact).
   bool dot_bf16;
+  // q.k of fp8 keys by table decode (qk_tile_fp8): where the build has it (kFp8Tables, 16
+  // lanes) and the chunk is whole units of 4 W bytes. qrep then holds each q chunk in the
+  // order decode_fp8_by_tables leaves (4 W floats), and raw 4 lanes per token.
+  bool fp8_tables;
   int64_t q_repeat;     // q chunk repetition length (x, W: powers of 2)
   int64_t x_sum;  // raw lanes per token
   int64_t NV;            // V row vectors in the fast PV path
@@ -159,15 +163,17 @@ struct Layout {
     dot_bf16 = kDotBF16 && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 &&
                chunk_elems % (2 * W) == 0;
     split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
-    q_repeat = dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
-    x_sum = dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
+    fp8_tables = kFp8Tables && is_fp8_v<CT> && W == 16 && x == W && chunk_elems % (4 * W) == 0;
+    q_repeat = fp8_tables ? 4 * W : dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
+    x_sum = fp8_tables ? 4 : dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV % 4 == 0);
     half_pv = 2 * bs == W && D % 2 == 0;
     lane_acc = !fast_pv || kLaneAcc;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
-    qk_iters = dot_bf16 ? qk_dot_iterations(chunk_elems, num_chunks)
-                        : qk_tile_iterations(chunk_elems, num_chunks, q_repeat);
+    qk_iters = dot_bf16      ? qk_dot_iterations(chunk_elems, num_chunks)
+               : fp8_tables ? qk_fp8_iterations(chunk_elems, num_chunks)
+                            : qk_tile_iterations(chunk_elems, num_chunks, q_repeat);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
     v_scale = P.v_scale * fp8_unit<CT>();
     amx = kAmx && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 && x == kAmxX &&
@@ -264,6 +270,13 @@ struct ItemWorker {
   // every item, which short items feel.
   void fill_qrep(const float* qf, float* rp) const {
     const int64_t x = layout.x, q_repeat = layout.q_repeat;
+    if (layout.fp8_tables) {  // decode_fp8_by_tables' order, chunk by chunk
+      for (int64_t c = 0; c < layout.num_chunks; ++c, rp += q_repeat, qf += x)
+        for (int h = 0; h < 4; ++h)
+          for (int64_t L = 0; L < 4; ++L)
+            for (int64_t j = 0; j < 4; ++j) rp[h * W + 4 * L + j] = qf[kFp8TableOrder[h] + 2 * j];
+      return;
+    }
     if (q_repeat == x) {  // chunk by chunk, the row itself
       std::memcpy(rp, qf, layout.D * sizeof(float));
       return;
@@ -432,6 +445,12 @@ struct ItemWorker {
           if constexpr (std::is_same_v<CT, c10::BFloat16>) {
             if (layout.dot_bf16) {
               qk_tile_dot<G_T>(g.k[k], qr, raw, num_chunks, layout.chunk_elems, raw_row, pf);
+              continue;
+            }
+          }
+          if constexpr (is_fp8_v<CT> && W == 16) {
+            if (layout.fp8_tables) {
+              qk_tile_fp8<G_T>(g.k[k], qr, raw, num_chunks, layout.chunk_elems, raw_row, pf);
               continue;
             }
           }

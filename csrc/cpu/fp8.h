@@ -49,6 +49,47 @@ inline const float* fp8_table() {
   return table.data();
 }
 
+// fp8 -> bf16 bits, in the kernel's units, by 128-entry byte tables indexed by the magnitude
+// (the low 7 bits): the high and the low byte of the bf16 of |value| / fp8_unit (exact: every
+// fp8 value is a bf16 value, subnormals included, and bf16 subnormals are never needed). The
+// sign is the byte's top bit, which is the bf16's too. For decode_fp8_by_tables (isa.h).
+struct Fp8Bf16Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+};
+template <typename T>
+constexpr uint16_t fp8_bf16_bits(int i) {
+  constexpr bool e4m3 = std::is_same_v<T, c10::Float8_e4m3fn>;
+  constexpr int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15, emax = e4m3 ? 15 : 31;
+  constexpr int unit_log2 = e4m3 ? 8 : 0;  // fp8_unit
+  const int e = i >> mbits, m = i & ((1 << mbits) - 1);
+  if (e4m3 && i == 0x7F) return 0x7FC0;                      // NaN (e4m3fn has no Inf)
+  if (!e4m3 && e == emax) return m == 0 ? 0x7F80 : 0x7FC0;  // Inf, NaN
+  // |value| / unit = mant * 2^exp2 with an integer mant (the implicit bit for normals).
+  const int mant = e > 0 ? (1 << mbits) + m : m;
+  const int exp2 = (e > 0 ? e : 1) - bias - mbits - unit_log2;
+  if (mant == 0) return 0;
+  const int top = 31 - std::countl_zero(static_cast<uint32_t>(mant));  // mant = 1.f * 2^top
+  const int frac = (mant - (1 << top)) << (7 - top);
+  return static_cast<uint16_t>(((top + exp2 + 127) << 7) | frac);
+}
+template <typename T>
+constexpr Fp8Bf16Tables make_fp8_bf16_tables() {
+  Fp8Bf16Tables t{};
+  for (int i = 0; i < 128; ++i) {
+    t.hi[i] = static_cast<uint8_t>(fp8_bf16_bits<T>(i) >> 8);
+    t.lo[i] = static_cast<uint8_t>(fp8_bf16_bits<T>(i) & 0xFF);
+  }
+  return t;
+}
+template <typename T>
+inline constexpr Fp8Bf16Tables kFp8Bf16Tables = make_fp8_bf16_tables<T>();
+// 2^-9 / 2^8 (e4m3's smallest subnormal, in units of 2^-8) and 448 / 2^8; e5m2's 2^-16, 57344.
+static_assert(fp8_bf16_bits<c10::Float8_e4m3fn>(0x01) == ((127 - 17) << 7));
+static_assert(fp8_bf16_bits<c10::Float8_e4m3fn>(0x7E) == (((127 + 0) << 7) | 0x60));
+static_assert(fp8_bf16_bits<c10::Float8_e5m2>(0x01) == ((127 - 16) << 7));
+static_assert(fp8_bf16_bits<c10::Float8_e5m2>(0x7B) == (((127 + 15) << 7) | 0x60));
+
 // ---- fp8 quantisation: round(x / scale), saturated to +-max, round-to-nearest-even ----------
 
 inline float bits_to_float(uint32_t b) { return std::bit_cast<float>(b); }

@@ -23,6 +23,10 @@ using portable::BF16Pairs;
 using portable::dot_pairs;
 using portable::load_pairs;
 using portable::pairs_in_register;
+// fp8 by byte tables: 16-lane builds only (kFp8Tables is off here).
+using portable::decode_fp8_by_tables;
+using portable::kFp8TableOrder;
+using portable::kFp8Tables;
 
 // ---- fp8 -> fp32 --------------------------------------------------------------------------
 

@@ -58,6 +58,40 @@ C10_ALWAYS_INLINE void decode_fp8_two(const uint8_t* b, VecF& lo, VecF& hi) {
   hi = VecF(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
 }
 
+// ---- fp8 -> fp32 by byte tables (isa_portable.h's contract) ------------------------------
+
+// vpermi2b (AVX512-VBMI) looks up 64 bytes in a 128-entry table: one lookup each for the high
+// and the low byte of the bf16 of 64 fp8 values, the sign or-ed into the high byte, two
+// interleaves into bf16 words, and a shift or a mask per vector puts each word in the top half
+// of an fp32 lane: 9 instructions per 64 values (13 uops: vpermi2b is 3 on the Xeon of
+// benchmarks/RESULTS.md), against 4-5 per 16 for the fp16 route above, and NaN stays NaN.
+// q.k takes it (Layout::fp8_tables); in p.v, whose decode feeds as many FMAs, it measured
+// 0.89-1.00x of decode_fp8_two (docs/cpu_kernel.md, alternatives).
+using portable::kFp8Tables;
+using portable::kFp8TableOrder;
+#if defined(__AVX512VBMI__)
+template <typename T>
+C10_ALWAYS_INLINE void decode_fp8_by_tables(const uint8_t* b, VecF (&out)[4]) {
+  const Fp8Bf16Tables& t = kFp8Bf16Tables<T>;
+  const __m512i x = _mm512_loadu_si512(b);
+  const __m512i hi7 = _mm512_permutex2var_epi8(_mm512_load_si512(t.hi), x,
+                                               _mm512_load_si512(t.hi + 64));
+  // hi7 | (x & 0x80)
+  const __m512i hi = _mm512_ternarylogic_epi32(hi7, x, _mm512_set1_epi8(static_cast<char>(0x80)),
+                                               0xF8);
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), x,
+                                              _mm512_load_si512(t.lo + 64));
+  const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  out[0] = VecF(_mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)));
+  out[1] = VecF(_mm512_castsi512_ps(_mm512_and_si512(w0, top)));
+  out[2] = VecF(_mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)));
+  out[3] = VecF(_mm512_castsi512_ps(_mm512_and_si512(w1, top)));
+}
+#else
+using portable::decode_fp8_by_tables;
+#endif
+
 // ---- bf16 pair dot products ---------------------------------------------------------------
 
 // vdpbf16ps exists only with AVX512-BF16: the avx512 build, compiled without it, runs the

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/fp8.h"
+
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 
@@ -44,6 +46,35 @@ C10_ALWAYS_INLINE VecF decode_fp8(const uint8_t*) {
 }
 template <typename T>
 C10_ALWAYS_INLINE void decode_fp8_two(const uint8_t*, VecF&, VecF&) {}
+
+// fp8 -> fp32 of 4 W bytes (16-lane builds: 64 bytes, four groups of 16) through the byte
+// tables of fp8.h, where kFp8Tables, in the kernel's units (NaN and Inf included): out[h] lane
+// 4 L + j is byte 16 L + kFp8TableOrder[h] + 2 j (even elements of each group's first half,
+// odd ones, then the same of its second half), the order two byte interleaves and a shift or a
+// mask per vector leave (isa_avx512.h); q.k lays out its query to match. Portable: the same
+// lanes from the same tables, one by one, so that the emulated test builds run this path.
+#if defined(PAGED_OPS_FP8_TABLES)
+constexpr bool kFp8Tables = true;
+#else
+constexpr bool kFp8Tables = false;
+#endif
+constexpr int kFp8TableOrder[4] = {0, 1, 8, 9};
+template <typename T>
+C10_ALWAYS_INLINE void decode_fp8_by_tables(const uint8_t* b, VecF (&out)[4]) {
+  static_assert(sizeof(T) == 1 && W == 16, "decode_fp8_by_tables is written for 16 lanes");
+  const Fp8Bf16Tables& t = kFp8Bf16Tables<T>;
+  for (int h = 0; h < 4; ++h) {
+    float v[W];
+    for (int L = 0; L < 4; ++L)
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t x = b[16 * L + kFp8TableOrder[h] + 2 * j];
+        const uint32_t bits = (static_cast<uint32_t>(t.hi[x & 0x7F] | (x & 0x80)) << 24) |
+                              (static_cast<uint32_t>(t.lo[x & 0x7F]) << 16);
+        v[4 * L + j] = c10::bit_cast<float>(bits);
+      }
+    out[h] = VecF::loadu(v);
+  }
+}
 
 // bf16 read in pairs, where kSplitPairs<T>: load_bf16_pairs loads 2 W bf16 values as two
 // vectors, the even offsets then the odd ones; load_bf16_half one of the two (i = 0 the even

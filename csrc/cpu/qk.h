@@ -192,6 +192,55 @@ inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {
   return (units / 4 + units % 4 / 2 + units % 2) * num_chunks;
 }
 
+// q.k of an fp8 key block by table decode (Layout::fp8_tables): a unit is 4 W bytes of a
+// chunk (16-lane builds: 4 tokens' 16 elements, x = W), decoded by decode_fp8_by_tables into
+// four vectors whose lane 4 L + j holds element kFp8TableOrder[h] + 2 j of token L; qrep[g][c]
+// holds the q chunk in that order (4 W floats, fill_qrep), and raw gets 4 lanes per token.
+// TOK units per step share each q vector (8 accumulators, 8 K vectors and the tables live).
+template <int G_T, int TOK, typename T>
+inline void qk_fp8_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                        int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf,
+                        int64_t unit0) {
+  VecF a[G_T][TOK];
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    pf.step();
+    VecF k[TOK][4];
+    for (int t = 0; t < TOK; ++t)
+      decode_fp8_by_tables<T>(
+          reinterpret_cast<const uint8_t*>(kblk + c * chunk_elems + (unit0 + t) * 4 * W), k[t]);
+    for (int g = 0; g < G_T; ++g) {
+      for (int h = 0; h < 4; ++h) {
+        const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * 4 * W + h * W));
+        for (int t = 0; t < TOK; ++t) a[g][t] = at::vec::fmadd(k[t][h], q, a[g][t]);
+      }
+    }
+  }
+  for (int g = 0; g < G_T; ++g)
+    for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (unit0 + t) * W);
+}
+
+#ifndef PAGED_OPS_QK_FP8_UNITS
+#define PAGED_OPS_QK_FP8_UNITS 2
+#endif
+template <int G_T, typename T>
+inline void qk_tile_fp8(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                        int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf) {
+  constexpr int U = PAGED_OPS_QK_FP8_UNITS;
+  const int64_t units = chunk_elems / (4 * W);
+  int64_t u = 0;
+  for (; u + U <= units; u += U)
+    qk_fp8_step<G_T, U>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+  for (; u < units; ++u)
+    qk_fp8_step<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+}
+
+inline int64_t qk_fp8_iterations(int64_t chunk_elems, int64_t num_chunks) {
+  const int64_t units = chunk_elems / (4 * W);
+  return (units / PAGED_OPS_QK_FP8_UNITS + units % PAGED_OPS_QK_FP8_UNITS) * num_chunks;
+}
+
 // z[t] = sum_i raw[t * X + i] for t < ntok: the tokens sum_lane_groups_by_shuffles leaves
 // (all of them where the build has none), with X a constant so that the compiler vectorizes it.
 template <int X>

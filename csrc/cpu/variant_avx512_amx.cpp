@@ -4,6 +4,7 @@
 // tiles (amx::usable) it runs as that build.
 #define CPU_CAPABILITY_NAME "avx512_amx"
 #define PAGED_OPS_DOT_BF16 1
+#define PAGED_OPS_FP8_TABLES 1
 #define PAGED_OPS_AMX 1
 #include "cpu/attention_kernel.h"
 

@@ -3,6 +3,7 @@
 // and AVX512-BF16. Everything but the q.k of bf16 queries on bf16 caches is the avx512 build.
 #define CPU_CAPABILITY_NAME "avx512_bf16"
 #define PAGED_OPS_DOT_BF16 1
+#define PAGED_OPS_FP8_TABLES 1
 #include "cpu/attention_kernel.h"
 
 extern "C" __attribute__((visibility("default"))) const paged::cpu::KernelTable*
