@@ -353,3 +353,37 @@ def test_fp8_every_finite_code_decodes_exactly(fp8):
                                     torch.tensor([1], dtype=torch.int32), k_scale=one,
                                     v_scale=torch.tensor([2.0]))
     assert torch.equal(out[0, 0], v_vals.float() * 2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_stored_nan_reads_as_nan(dtype, block_size, kind):
+    # A NaN stored at a visible position reaches the output as softmax(z) @ V over it does: a
+    # key's NaN makes every row of its kv head NaN (also in the first group of blocks, where
+    # the running max starts), a value's NaN those rows' element. Unwritten slots hold NaN
+    # too and must not count (test_stored_nan_reads_as_nan in test_fp8.py: fp8 caches).
+    bs = block_size
+    lens = [bs + 3, 9 * bs + 7]
+    pg = make_paged(lens, 2, 64, bs, dtype, seed=bs)
+    for s, pos in ((0, bs + 1), (1, 5 * bs + 2)):
+        blk = int(pg.block_tables[s, pos // bs])
+        if kind == "key":
+            x = pg.key_cache.shape[-1]
+            pg.key_cache[blk, 1, 37 // x, pos % bs, 37 % x] = float("nan")
+        else:
+            pg.value_cache[blk, 1, 37, pos % bs] = float("nan")
+    q = random_query(len(lens), 8, 64, dtype, scale=2.0)
+    scale = 64 ** -0.5
+    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale).float()
+    want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                         scale).float()
+    nan = torch.zeros_like(want, dtype=torch.bool)
+    if kind == "key":
+        nan[:, 4:8] = True
+    else:
+        nan[:, 4:8, 37] = True
+    assert torch.equal(want.isnan(), nan)
+    assert torch.equal(got.isnan(), nan)
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), **TOL[dtype])

@@ -71,6 +71,12 @@ inline namespace CPU_CAPABILITY {
 #define PAGED_OPS_PHASE_PV 1
 #endif
 
+// An e4m3 NaN in a value block, visible to some row of the item: row d of kv head hl, at
+// sequence position pos (ItemWorker::scan_values).
+struct ValueNan {
+  int64_t hl, d, pos;
+};
+
 // Per-thread scratch, grown on demand and reused across calls (no allocation per block or call
 // once warm). R = query rows of one kv head of a work item (tokens x GQA group), HR = rows of
 // all its kv heads: the state that lives through the item (qrep, acc, state) has HR rows, the
@@ -89,6 +95,8 @@ struct Scratch {
   LineVector<uint16_t> pdot;  // [R][kGroup][2 W] bf16 probabilities (dot_pv)
   LineVector<SoftmaxState> state;  // [HR] running max and normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
+  std::vector<uint8_t> k_nan;     // [bs] per token of a key block: an element is an e4m3 NaN
+  std::vector<ValueNan> v_nans;  // the item's e4m3 NaNs in value blocks
   // The AMX path (Layout::amx, amx_attention.h):
   LineVector<uint16_t> qtiles;  // [nh][R / 4][D / 8][512] query operands of q.k
   LineVector<uint32_t> pvnni;   // [group tokens / 2][16] probability operand of p.v
@@ -195,6 +203,7 @@ struct Layout {
 // prefetch meanwhile (next).
 template <typename CT>
 struct GroupBlocks {
+  int64_t b0;  // the group's first block (of the sequence)
   const CT* k[kGroup];
   const CT* v[kGroup];
   const CT* k_next[kGroup];
@@ -219,6 +228,12 @@ struct ItemWorker {
   // cursor per block of the group: 16-bit caches on the 16-lane builds (see logits).
   static constexpr bool kSplitKeyPrefetch = sizeof(CT) == 2 && W == 16;
   PrefetchCursor k_rest[kGroup];
+  // e4m3 caches where the vector decode reads NaN as a finite number (fp8.h, is_e4m3_nan):
+  // each key and value block is scanned before it is read (e4m3_has_nan), and a NaN found at
+  // a visible position sets the logit of its token (scan_keys) or the output element of its
+  // row d (scan_values, applied by finish) to NaN, for the rows that see it, as reading it
+  // would. Keys read by table decode (Layout::fp8_tables) carry their NaN themselves.
+  static constexpr bool kScanNan = kDecodeFp8 && std::is_same_v<CT, c10::Float8_e4m3fn>;
 
   ItemWorker(const AttentionParams& P_, const Layout<CT>& layout_, const Plan& plan_,
              Scratch& scratch_)
@@ -249,6 +264,7 @@ struct ItemWorker {
     grow(scratch.state, HR_max);
     scratch.row_P.resize(R_max);
     scratch.row_lo.resize(R_max);
+    if (kScanNan) scratch.k_nan.resize(layout.bs);
   }
 
   // K and V of blocks [b, b + n) of sequence s, kv head kvh, through the block table.
@@ -289,6 +305,7 @@ struct ItemWorker {
   // across lanes for q.k), empty softmax states.
   void start(const ItemInfo& info) {
     it = info;
+    scratch.v_nans.clear();
     const int64_t G = layout.G, D = layout.D, q_repeat = layout.q_repeat;
     const int64_t num_chunks = layout.num_chunks;
     R = (it.j1 - it.j0) * G;
@@ -366,6 +383,7 @@ struct ItemWorker {
 
   // Visible offsets of the group's blocks [b0, b0 + nb) for the item's rows together.
   void visibility(int64_t b0, int64_t nb, GroupBlocks<CT>& g) const {
+    g.b0 = b0;
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       g.t0[k] = std::clamp<int64_t>(it.lo_min - b * layout.bs, 0, layout.bs);
@@ -398,6 +416,37 @@ struct ItemWorker {
     }
   }
 
+  // Whether key block k of the group holds an e4m3 NaN in a token some row sees; if so,
+  // scratch.k_nan flags those tokens. (Layout [D / x][bs][x]: token t's elements are x bytes
+  // at t * x of each chunk.)
+  bool scan_keys(const GroupBlocks<CT>& g, int64_t k) {
+    const int64_t bs = layout.bs, x = layout.x, D = layout.D;
+    const uint8_t* kb = reinterpret_cast<const uint8_t*>(g.k[k]);
+    if (!e4m3_has_nan(kb, D * bs)) return false;
+    bool any = false;
+    for (int64_t t = 0; t < bs; ++t) {
+      bool nan = false;
+      if (t >= g.t0[k] && t < g.t1[k])
+        for (int64_t c = 0; c < D / x; ++c)
+          for (int64_t i = 0; i < x; ++i) nan |= is_e4m3_nan(kb[(c * bs + t) * x + i]);
+      scratch.k_nan[t] = nan;
+      any |= nan;
+    }
+    return any;
+  }
+
+  // Records the e4m3 NaNs of the group's value blocks at positions some row sees.
+  void scan_values(int64_t hl, int64_t nb, const GroupBlocks<CT>& g) {
+    const int64_t bs = layout.bs, D = layout.D;
+    for (int64_t k = 0; k < nb; ++k) {
+      const uint8_t* vb = reinterpret_cast<const uint8_t*>(g.v[k]);
+      if (!e4m3_has_nan(vb, D * bs)) continue;
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t t = g.t0[k]; t < g.t1[k]; ++t)
+          if (is_e4m3_nan(vb[d * bs + t])) scratch.v_nans.push_back({hl, d, (g.b0 + k) * bs + t});
+    }
+  }
+
   // Logits of every row of kv head hl for each block of the group: p[r][k * block_row + t]; hidden
   // offsets and the padding up to block_row are -inf by position, never computed from cache data.
   void logits(int64_t hl, int64_t b0, int64_t nb, const GroupBlocks<CT>& g) {
@@ -421,6 +470,8 @@ struct ItemWorker {
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       int64_t r = 0;
+      bool k_nan = false;
+      if constexpr (kScanNan) k_nan = !layout.fp8_tables && scan_keys(g, k);
       PrefetchCursor pf(g.k_next[k], head, pf_steps);
       k_rest[k] = head < kbytes
                       ? PrefetchCursor(reinterpret_cast<const char*>(g.k_next[k]) + head,
@@ -475,6 +526,9 @@ struct ItemWorker {
           continue;
         }
         if (!layout.amx) sum_lane_groups(scratch.raw.data() + r * raw_row, layout.x_sum, bs, pr);
+        if (k_nan)
+          for (int64_t t = 0; t < bs; ++t)
+            if (scratch.k_nan[t]) pr[t] = std::numeric_limits<float>::quiet_NaN();
         if (layout.dot_bf16 || layout.amx)
           for (int64_t t = 0; t < bs; ++t) pr[t] *= layout.qk_scale;
         for (int64_t t = bs; t < block_row; ++t) pr[t] = neg_inf;
@@ -524,6 +578,7 @@ struct ItemWorker {
   // tiles. (Converting a whole group for its one partial block made calls of odd lengths
   // 13-25% slower.)
   void pv(int64_t hl, int64_t nb, bool first, bool last, const GroupBlocks<CT>& g) {
+    if constexpr (kScanNan) scan_values(hl, nb, g);
     const int64_t D = layout.D, bs = layout.bs;
     const int64_t group_row = layout.group_row, acc_row = layout.acc_row;
     float* const acc_h = layout.lane_acc ? scratch.acc.data() + hl * R * acc_row : nullptr;
@@ -662,6 +717,13 @@ struct ItemWorker {
           if (layout.acc_lanes < W) sum_lane_groups(acc, layout.acc_lanes, D, o_h + r * D);
           else reduce_acc(acc, o_h + r * D, D);
         }
+      }
+      if constexpr (kScanNan) {
+        for (const ValueNan& n : scratch.v_nans)
+          if (n.hl == hl)
+            for (int64_t r = 0; r < R; ++r)
+              if (scratch.row_lo[r] <= n.pos && n.pos <= scratch.row_P[r])
+                o_h[r * D + n.d] = std::numeric_limits<float>::quiet_NaN();
       }
       const SoftmaxState* st_h = scratch.state.data() + hl * R;
       if (plan.splits > 1) {

@@ -49,6 +49,19 @@ inline const float* fp8_table() {
   return table.data();
 }
 
+// The e4m3 NaN (magnitude 0x7f). The vector decode of the AVX2 and AVX-512 builds reads it as
+// a finite number; the kernel finds it by scanning each block it reads instead (a bound on the
+// decode's cost: two instructions per 64 bytes here against two per 16-32 values there), and
+// sets the logits and outputs it reaches to NaN (attention_kernel.h, ItemWorker).
+inline bool is_e4m3_nan(uint8_t b) { return (b & 0x7F) == 0x7F; }
+// Whether n bytes hold an e4m3 NaN: their largest magnitude is 0x7f exactly then (a max
+// reduction the compiler vectorises).
+inline bool e4m3_has_nan(const uint8_t* p, int64_t n) {
+  uint8_t m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max<uint8_t>(m, p[i] & 0x7F);
+  return m == 0x7F;
+}
+
 // fp8 -> bf16 bits, in the kernel's units, by 128-entry byte tables indexed by the magnitude
 // (the low 7 bits): the high and the low byte of the bf16 of |value| / fp8_unit (exact: every
 // fp8 value is a bf16 value, subnormals included, and bf16 subnormals are never needed). The

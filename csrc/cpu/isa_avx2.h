@@ -41,7 +41,7 @@ C10_ALWAYS_INLINE VecF decode_fp8(const uint8_t* b) {
   } else {
     // e4m3fn s.eeee.mmm -> fp16 s.0eeee.mmm0000000 = value * 2^-8 (subnormals included):
     // sign-extend, shift into place, clear the copy of the sign in bit 14, convert. (0x7f,
-    // NaN, reads as 480: only unwritten slots hold it, and those are masked by position.)
+    // NaN, reads as 480: the kernel scans the blocks for it instead, see is_e4m3_nan.)
     const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
                                     _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
     return VecF(_mm256_cvtph_ps(h));

@@ -45,7 +45,10 @@ struct SoftmaxState {
       std::fill(pr, pr + n, 0.f);
       return 1.f;
     }
-    const float m_new = std::max(max, bmax);
+    // A NaN logit (a NaN key, which reads as NaN) makes the max NaN and with it every
+    // probability and output of the row, as softmax over it does: std::max alone would drop
+    // it (a NaN compares false) and leave the row finite.
+    const float m_new = std::isnan(bmax) ? bmax : std::max(max, bmax);
     float a = 1.f;
     if (m_new > max && max != neg_inf) {
       a = std::exp(max - m_new);
