@@ -376,3 +376,33 @@ def test_bad_query_start_loc(case):
     with pytest.raises(RuntimeError, match="query_start_loc"):
         run(pg, q, qsl, out=out)
     assert (out == 3.0).all(), "a failed attention_out wrote its output"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("window", [-1, 20])
+def test_non_finite_value_reaches_only_the_rows_that_see_it(dtype, block_size, special, window):
+    # A chunk of 9 query tokens over one sequence: a NaN or an infinity stored in the value at
+    # the chunk's 4th position (element 11), and with the window one that only the first 5
+    # rows' windows reach (element 12), reaches the rows that see it as softmax(z) @ V does
+    # and no other row: the others give it probability 0, and 0 * NaN must not count.
+    bs, q_len, L = block_size, 9, 3 * block_size + 5
+    pg = make_paged([L], 2, 64, bs, dtype, seed=bs)
+    spots = [(L - q_len + 3, 11)] + ([(L - 24, 12)] if window > 0 else [])
+    for pos, d in spots:
+        blk = int(pg.block_tables[0, pos // bs])
+        pg.value_cache[blk, 1, d, pos % bs] = special
+    q = random_query(q_len, 8, 64, dtype, scale=2.0)
+    qsl = query_start_loc([q_len])
+    got = run(pg, q, qsl, sliding_window=window).float()
+    with one_thread():
+        want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                             64 ** -0.5, sliding_window=window, query_start_loc=qsl).float()
+    for pos, d in spots:  # per query token: whether its kv head 1 rows see the spot
+        seen = want[:, 4:8, d].isfinite().logical_not().all(-1).tolist()
+        assert seen == ([False] * 3 + [True] * 6 if d == 11 else [True] * 5 + [False] * 4)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], **TOL[dtype])

@@ -77,6 +77,13 @@ struct ValueNan {
   int64_t hl, d, pos;
 };
 
+// A non-finite value in a column of a value block that some rows of a multi-token item see and
+// others do not: what it adds to row r's output element d (ItemWorker::isolate_nonfinite).
+struct ValuePoison {
+  int64_t hl, r, d;
+  float add;
+};
+
 // Per-thread scratch, grown on demand and reused across calls (no allocation per block or call
 // once warm). R = query rows of one kv head of a work item (tokens x GQA group), HR = rows of
 // all its kv heads: the state that lives through the item (qrep, acc, state) has HR rows, the
@@ -97,6 +104,7 @@ struct Scratch {
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
   std::vector<uint8_t> k_nan;     // [bs] per token of a key block: an element is an e4m3 NaN
   std::vector<ValueNan> v_nans;  // the item's e4m3 NaNs in value blocks
+  std::vector<ValuePoison> v_poison;  // the item's non-finite values seen by some rows only
   // The AMX path (Layout::amx, amx_attention.h):
   LineVector<uint16_t> qtiles;  // [nh][R / 4][D / 8][512] query operands of q.k
   LineVector<uint32_t> pvnni;   // [group tokens / 2][16] probability operand of p.v
@@ -209,6 +217,8 @@ struct GroupBlocks {
   const CT* k_next[kGroup];
   const CT* v_next[kGroup];
   int64_t t0[kGroup], t1[kGroup];  // offsets of block k visible to some row of the item
+  int64_t a0[kGroup], a1[kGroup];  // offsets of block k visible to every row (may be empty)
+  bool isolated[kGroup];  // block k holds non-finite values in [t0, t1) outside [a0, a1)
 };
 
 // The work of one thread on its items: the per-item state lives in the thread's Scratch.
@@ -306,6 +316,7 @@ struct ItemWorker {
   void start(const ItemInfo& info) {
     it = info;
     scratch.v_nans.clear();
+    scratch.v_poison.clear();
     const int64_t G = layout.G, D = layout.D, q_repeat = layout.q_repeat;
     const int64_t num_chunks = layout.num_chunks;
     R = (it.j1 - it.j0) * G;
@@ -384,10 +395,16 @@ struct ItemWorker {
   // Visible offsets of the group's blocks [b0, b0 + nb) for the item's rows together.
   void visibility(int64_t b0, int64_t nb, GroupBlocks<CT>& g) const {
     g.b0 = b0;
+    // Rows see ranges that grow with their position: the last row's start and the first
+    // row's end bound what every row sees.
+    const int64_t lo_all = scratch.row_lo[R - 1], P_all = scratch.row_P[0];
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t b = b0 + k;
       g.t0[k] = std::clamp<int64_t>(it.lo_min - b * layout.bs, 0, layout.bs);
       g.t1[k] = std::clamp<int64_t>(it.P_max + 1 - b * layout.bs, 0, layout.bs);
+      g.a0[k] = std::clamp<int64_t>(lo_all - b * layout.bs, g.t0[k], g.t1[k]);
+      g.a1[k] = std::clamp<int64_t>(P_all + 1 - b * layout.bs, g.a0[k], g.t1[k]);
+      g.isolated[k] = false;
     }
   }
 
@@ -444,6 +461,48 @@ struct ItemWorker {
       for (int64_t d = 0; d < D; ++d)
         for (int64_t t = g.t0[k]; t < g.t1[k]; ++t)
           if (is_e4m3_nan(vb[d * bs + t])) scratch.v_nans.push_back({hl, d, (g.b0 + k) * bs + t});
+    }
+  }
+
+  // A multi-token item's rows see different columns of a block (the positions past the first
+  // row's, before the last row's window): p.v multiplies those with probability 0 for the rows
+  // that do not see them, and 0 * NaN or 0 * Inf would be NaN. A non-finite value there (rare:
+  // the check reads only those columns) is zeroed in the block's copy (isolated, see pv) and
+  // its share added to the output of each row that sees it instead: NaN, or the infinity
+  // times a probability that is 0 (NaN) or not (the infinity), as p * v gives.
+  void isolate_nonfinite(int64_t hl, int64_t nb, GroupBlocks<CT>& g) {
+    const int64_t bs = layout.bs, D = layout.D;
+    for (int64_t k = 0; k < nb; ++k) {
+      if (g.a0[k] == g.t0[k] && g.a1[k] == g.t1[k]) continue;  // every row sees the same
+      const CT* vb = g.v[k];
+      // First the whole block by vectors: x - x is NaN exactly where x is not finite (as the
+      // kernel reads it: an e4m3 NaN through the vector decode is scan_values' business).
+      VecF any(0.f);
+      int64_t j = 0;
+      for (; j + W <= D * bs; j += W) {
+        const VecF x = load_f32(vb + j);
+        any = any + (x - x);
+      }
+      bool finite = !std::isnan(hsum(any));
+      for (; j < D * bs; ++j) finite &= std::isfinite(to_f32(vb[j]));
+      if (finite) continue;
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t t = g.t0[k]; t < g.t1[k]; ++t) {
+          if (t == g.a0[k]) t = std::max(t, g.a1[k]);
+          if (t >= g.t1[k]) break;
+          const float v = to_f32(vb[d * bs + t]);
+          if (std::isfinite(v)) continue;
+          g.isolated[k] = true;
+          const int64_t pos = (g.b0 + k) * bs + t;
+          for (int64_t r = 0; r < R; ++r) {
+            if (pos < scratch.row_lo[r] || pos > scratch.row_P[r]) continue;
+            const float p = scratch.p[r * layout.group_row + k * layout.block_row + t];
+            const float add = std::isnan(v) || p == 0.f ? std::numeric_limits<float>::quiet_NaN()
+                                                        : v;
+            scratch.v_poison.push_back({hl, r, d, add});
+          }
+        }
+      }
     }
   }
 
@@ -571,30 +630,50 @@ struct ItemWorker {
     }
   }
 
+  // Zeroes the non-finite values isolate_nonfinite took out of a copy of value block k (all-zero
+  // bits are +0 in every cache type).
+  template <typename T>
+  void zero_isolated(T* blk, const GroupBlocks<CT>& g, int64_t k) const {
+    const int64_t bs = layout.bs;
+    for (int64_t d = 0; d < layout.D; ++d)
+      for (int64_t t = g.t0[k]; t < g.t1[k]; ++t)
+        if ((t < g.a0[k] || t >= g.a1[k]) && !std::isfinite(to_f32(blk[d * bs + t])))
+          std::memset(static_cast<void*>(blk + d * bs + t), 0, sizeof(T));
+  }
+
   // p . v for all rows of kv head hl. V columns no row sees may hold NaN (0 * NaN = NaN), so
   // a partly visible block is read through a copy with those columns zeroed. Blocks are read
   // in place (the partly visible ones from a copy in their own type) when one tile of rows
   // covers them or the cache is fp32; else the group is converted to fp32 once, for all
   // tiles. (Converting a whole group for its one partial block made calls of odd lengths
   // 13-25% slower.)
-  void pv(int64_t hl, int64_t nb, bool first, bool last, const GroupBlocks<CT>& g) {
+  void pv(int64_t hl, int64_t nb, bool first, bool last, GroupBlocks<CT>& g) {
     if constexpr (kScanNan) scan_values(hl, nb, g);
+    if (P.query_start_loc != nullptr) isolate_nonfinite(hl, nb, g);
     const int64_t D = layout.D, bs = layout.bs;
     const int64_t group_row = layout.group_row, acc_row = layout.acc_row;
     float* const acc_h = layout.lane_acc ? scratch.acc.data() + hl * R * acc_row : nullptr;
     const int64_t vrow_bytes = bs * static_cast<int64_t>(sizeof(CT));
     auto vcopy = [&]() {
-      for (int64_t k = 0; k < nb; ++k)
-        v_block_to_f32(g.v[k], scratch.vtmp.data() + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+      for (int64_t k = 0; k < nb; ++k) {
+        float* dst = scratch.vtmp.data() + k * D * bs;
+        v_block_to_f32(g.v[k], dst, D, bs, g.t0[k], g.t1[k]);
+        if (g.isolated[k]) zero_isolated(dst, g, k);
+      }
     };
     // The group's V blocks in the cache's type: in place, or the partly visible ones through
     // a copy with the hidden columns zeroed.
     auto in_own_type = [&](const CT** src) {
       CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
-      for (int64_t k = 0; k < nb; ++k)
-        src[k] = g.t0[k] == 0 && g.t1[k] == bs
-                     ? g.v[k]
-                     : v_block_masked(g.v[k], masked + k * D * bs, D, bs, g.t0[k], g.t1[k]);
+      for (int64_t k = 0; k < nb; ++k) {
+        if (g.t0[k] == 0 && g.t1[k] == bs && !g.isolated[k]) {
+          src[k] = g.v[k];
+          continue;
+        }
+        CT* dst = masked + k * D * bs;
+        src[k] = v_block_masked(g.v[k], dst, D, bs, g.t0[k], g.t1[k]);
+        if (g.isolated[k]) zero_isolated(dst, g, k);
+      }
     };
     if (layout.amx) {
       if constexpr (std::is_same_v<CT, c10::BFloat16>) {
@@ -718,6 +797,8 @@ struct ItemWorker {
           else reduce_acc(acc, o_h + r * D, D);
         }
       }
+      for (const ValuePoison& v : scratch.v_poison)
+        if (v.hl == hl) o_h[v.r * D + v.d] += v.add;
       if constexpr (kScanNan) {
         for (const ValueNan& n : scratch.v_nans)
           if (n.hl == hl)
