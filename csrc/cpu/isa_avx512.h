@@ -63,8 +63,9 @@ C10_ALWAYS_INLINE void decode_fp8_two(const uint8_t* b, VecF& lo, VecF& hi) {
 // vpermi2b (AVX512-VBMI) looks up 64 bytes in a 128-entry table: one lookup each for the high
 // and the low byte of the bf16 of 64 fp8 values, the sign or-ed into the high byte, two
 // interleaves into bf16 words, and a shift or a mask per vector puts each word in the top half
-// of an fp32 lane: 9 instructions per 64 values (13 uops: vpermi2b is 3 on the Xeon of
-// benchmarks/RESULTS.md), against 4-5 per 16 for the fp16 route above, and NaN stays NaN.
+// of an fp32 lane: 9 instructions per 64 values (about 13 uops if vpermi2b takes 3, which
+// the timings on the Xeon of benchmarks/RESULTS.md fit), against 4-5 per 16 for the fp16
+// route above, and NaN stays NaN.
 // q.k takes it (Layout::fp8_tables); in p.v, whose decode feeds as many FMAs, it measured
 // 0.89-1.00x of decode_fp8_two (docs/cpu_kernel.md, alternatives).
 using portable::kFp8Tables;
