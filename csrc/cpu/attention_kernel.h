@@ -466,10 +466,11 @@ struct ItemWorker {
 
   // A multi-token item's rows see different columns of a block (the positions past the first
   // row's, before the last row's window): p.v multiplies those with probability 0 for the rows
-  // that do not see them, and 0 * NaN or 0 * Inf would be NaN. A non-finite value there (rare:
-  // the check reads only those columns) is zeroed in the block's copy (isolated, see pv) and
-  // its share added to the output of each row that sees it instead: NaN, or the infinity
-  // times a probability that is 0 (NaN) or not (the infinity), as p * v gives.
+  // that do not see them, and 0 * NaN or 0 * Inf would be NaN. Such blocks are checked by
+  // vectors, and only a block with a non-finite value is searched: a non-finite value in
+  // those columns is zeroed in the block's copy (isolated, see pv) and its share added to the
+  // output of each row that sees it instead: NaN, or the infinity times a probability that is
+  // 0 (NaN) or not (the infinity), as p * v gives.
   void isolate_nonfinite(int64_t hl, int64_t nb, GroupBlocks<CT>& g) {
     const int64_t bs = layout.bs, D = layout.D;
     for (int64_t k = 0; k < nb; ++k) {
