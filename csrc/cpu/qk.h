@@ -21,6 +21,8 @@ inline namespace CPU_CAPABILITY {
 //     accumulator. fp8 on AVX2 (x = 2 W): a unit is one token's chunk, raw holds W lanes per
 //     token. bf16 on AVX2 read in pairs (load_bf16_pairs): a unit is two tokens' chunks split
 //     into even and odd elements, raw holds W / 2 lanes per token.
+//   H = 4: fp8 keys by table decode (qk_tile_fp8): a unit is 4 W bytes, four tokens' chunks
+//     (x = W) in decode_fp8_by_tables' order, raw holds 4 lanes per token.
 template <int G_T, int TOK, int H, typename T>
 inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                     int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf, int64_t in,
@@ -33,7 +35,9 @@ inline void qk_step(const T* kblk, const float* qrep, float* raw, int64_t num_ch
     pf.step();
     VecF k[TOK][H];
     for (int t = 0; t < TOK; ++t) {
-      if constexpr (H == 2) {
+      if constexpr (H == 4) {
+        decode_fp8_by_tables<T>(reinterpret_cast<const uint8_t*>(kblk + off + t * 4 * W), k[t]);
+      } else if constexpr (H == 2) {
         if constexpr (kSplitPairs<T>) {
           load_bf16_pairs(kblk + off + t * 2 * W, k[t][0], k[t][1]);  // q split to match
         } else {
@@ -192,35 +196,9 @@ inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {
   return (units / 4 + units % 4 / 2 + units % 2) * num_chunks;
 }
 
-// q.k of an fp8 key block by table decode (Layout::fp8_tables): a unit is 4 W bytes of a
-// chunk (16-lane builds: 4 tokens' 16 elements, x = W), decoded by decode_fp8_by_tables into
-// four vectors whose lane 4 L + j holds element kFp8TableOrder[h] + 2 j of token L; qrep[g][c]
-// holds the q chunk in that order (4 W floats, fill_qrep), and raw gets 4 lanes per token.
-// TOK units per step share each q vector (8 accumulators, 8 K vectors and the tables live).
-template <int G_T, int TOK, typename T>
-inline void qk_fp8_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
-                        int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf,
-                        int64_t unit0) {
-  VecF a[G_T][TOK];
-  for (int g = 0; g < G_T; ++g)
-    for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    pf.step();
-    VecF k[TOK][4];
-    for (int t = 0; t < TOK; ++t)
-      decode_fp8_by_tables<T>(
-          reinterpret_cast<const uint8_t*>(kblk + c * chunk_elems + (unit0 + t) * 4 * W), k[t]);
-    for (int g = 0; g < G_T; ++g) {
-      for (int h = 0; h < 4; ++h) {
-        const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * 4 * W + h * W));
-        for (int t = 0; t < TOK; ++t) a[g][t] = at::vec::fmadd(k[t][h], q, a[g][t]);
-      }
-    }
-  }
-  for (int g = 0; g < G_T; ++g)
-    for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (unit0 + t) * W);
-}
-
+// q.k of an fp8 key block by table decode (Layout::fp8_tables): qk_step's units of H = 4
+// vectors; qrep[g][c] holds the q chunk in decode_fp8_by_tables' order (4 W floats, fill_qrep).
+// Two units per step share each q vector (8 accumulators, 8 K vectors and the tables live).
 #ifndef PAGED_OPS_QK_FP8_UNITS
 #define PAGED_OPS_QK_FP8_UNITS 2
 #endif
@@ -231,9 +209,11 @@ inline void qk_tile_fp8(const T* kblk, const float* qrep, float* raw, int64_t nu
   const int64_t units = chunk_elems / (4 * W);
   int64_t u = 0;
   for (; u + U <= units; u += U)
-    qk_fp8_step<G_T, U>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+    qk_step<G_T, U, 4>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u * 4 * W,
+                       u * W);
   for (; u < units; ++u)
-    qk_fp8_step<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+    qk_step<G_T, 1, 4>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u * 4 * W,
+                       u * W);
 }
 
 inline int64_t qk_fp8_iterations(int64_t chunk_elems, int64_t num_chunks) {
