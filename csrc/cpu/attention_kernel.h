@@ -71,14 +71,9 @@ inline namespace CPU_CAPABILITY {
 #define PAGED_OPS_PHASE_PV 1
 #endif
 
-// An e4m3 NaN in a value block, visible to some row of the item: row d of kv head hl, at
-// sequence position pos (ItemWorker::scan_values).
-struct ValueNan {
-  int64_t hl, d, pos;
-};
-
-// A non-finite value in a column of a value block that some rows of a multi-token item see and
-// others do not: what it adds to row r's output element d (ItemWorker::isolate_nonfinite).
+// A non-finite value of a value block that p.v does not carry to the output itself (an e4m3
+// NaN read by the vector decode, scan_values; a value some rows of a multi-token item see and
+// others do not, isolate_nonfinite): what it adds to row r's output element d (finish).
 struct ValuePoison {
   int64_t hl, r, d;
   float add;
@@ -103,8 +98,7 @@ struct Scratch {
   LineVector<SoftmaxState> state;  // [HR] running max and normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
   std::vector<uint8_t> k_nan;     // [bs] per token of a key block: an element is an e4m3 NaN
-  std::vector<ValueNan> v_nans;  // the item's e4m3 NaNs in value blocks
-  std::vector<ValuePoison> v_poison;  // the item's non-finite values seen by some rows only
+  std::vector<ValuePoison> v_poison;  // the item's non-finite values p.v leaves out
   // The AMX path (Layout::amx, amx_attention.h):
   LineVector<uint16_t> qtiles;  // [nh][R / 4][D / 8][512] query operands of q.k
   LineVector<uint32_t> pvnni;   // [group tokens / 2][16] probability operand of p.v
@@ -241,8 +235,8 @@ struct ItemWorker {
   // e4m3 caches where the vector decode reads NaN as a finite number (fp8.h, is_e4m3_nan):
   // each key and value block is scanned before it is read (e4m3_has_nan), and a NaN found at
   // a visible position sets the logit of its token (scan_keys) or the output element of its
-  // row d (scan_values, applied by finish) to NaN, for the rows that see it, as reading it
-  // would. Keys read by table decode (Layout::fp8_tables) carry their NaN themselves.
+  // row d (scan_values, through add_nonfinite and finish) to NaN, for the rows that see it, as
+  // reading it would. Keys read by table decode (Layout::fp8_tables) carry their NaN themselves.
   static constexpr bool kScanNan = kDecodeFp8 && std::is_same_v<CT, c10::Float8_e4m3fn>;
 
   ItemWorker(const AttentionParams& P_, const Layout<CT>& layout_, const Plan& plan_,
@@ -315,7 +309,6 @@ struct ItemWorker {
   // across lanes for q.k), empty softmax states.
   void start(const ItemInfo& info) {
     it = info;
-    scratch.v_nans.clear();
     scratch.v_poison.clear();
     const int64_t G = layout.G, D = layout.D, q_repeat = layout.q_repeat;
     const int64_t num_chunks = layout.num_chunks;
@@ -452,7 +445,21 @@ struct ItemWorker {
     return any;
   }
 
-  // Records the e4m3 NaNs of the group's value blocks at positions some row sees.
+  // The share of the non-finite value v at row d, offset t of value block k of the group, in
+  // the output of each row that sees it, for finish: p * v is NaN, or the infinity times a
+  // probability that is 0 (NaN) or not (the infinity).
+  void add_nonfinite(int64_t hl, const GroupBlocks<CT>& g, int64_t k, int64_t d, int64_t t,
+                     float v) {
+    const int64_t pos = (g.b0 + k) * layout.bs + t;
+    for (int64_t r = 0; r < R; ++r) {
+      if (pos < scratch.row_lo[r] || pos > scratch.row_P[r]) continue;
+      const float p = scratch.p[r * layout.group_row + k * layout.block_row + t];
+      const float add = std::isnan(v) || p == 0.f ? std::numeric_limits<float>::quiet_NaN() : v;
+      scratch.v_poison.push_back({hl, r, d, add});
+    }
+  }
+
+  // The e4m3 NaNs of the group's value blocks at positions some row sees (add_nonfinite).
   void scan_values(int64_t hl, int64_t nb, const GroupBlocks<CT>& g) {
     const int64_t bs = layout.bs, D = layout.D;
     for (int64_t k = 0; k < nb; ++k) {
@@ -460,7 +467,8 @@ struct ItemWorker {
       if (!e4m3_has_nan(vb, D * bs)) continue;
       for (int64_t d = 0; d < D; ++d)
         for (int64_t t = g.t0[k]; t < g.t1[k]; ++t)
-          if (is_e4m3_nan(vb[d * bs + t])) scratch.v_nans.push_back({hl, d, (g.b0 + k) * bs + t});
+          if (is_e4m3_nan(vb[d * bs + t]))
+            add_nonfinite(hl, g, k, d, t, std::numeric_limits<float>::quiet_NaN());
     }
   }
 
@@ -469,8 +477,7 @@ struct ItemWorker {
   // that do not see them, and 0 * NaN or 0 * Inf would be NaN. Such blocks are checked by
   // vectors, and only a block with a non-finite value is searched: a non-finite value in
   // those columns is zeroed in the block's copy (isolated, see pv) and its share added to the
-  // output of each row that sees it instead: NaN, or the infinity times a probability that is
-  // 0 (NaN) or not (the infinity), as p * v gives.
+  // output of each row that sees it instead (add_nonfinite).
   void isolate_nonfinite(int64_t hl, int64_t nb, GroupBlocks<CT>& g) {
     const int64_t bs = layout.bs, D = layout.D;
     for (int64_t k = 0; k < nb; ++k) {
@@ -494,14 +501,7 @@ struct ItemWorker {
           const float v = to_f32(vb[d * bs + t]);
           if (std::isfinite(v)) continue;
           g.isolated[k] = true;
-          const int64_t pos = (g.b0 + k) * bs + t;
-          for (int64_t r = 0; r < R; ++r) {
-            if (pos < scratch.row_lo[r] || pos > scratch.row_P[r]) continue;
-            const float p = scratch.p[r * layout.group_row + k * layout.block_row + t];
-            const float add = std::isnan(v) || p == 0.f ? std::numeric_limits<float>::quiet_NaN()
-                                                        : v;
-            scratch.v_poison.push_back({hl, r, d, add});
-          }
+          add_nonfinite(hl, g, k, d, t, v);
         }
       }
     }
@@ -800,13 +800,6 @@ struct ItemWorker {
       }
       for (const ValuePoison& v : scratch.v_poison)
         if (v.hl == hl) o_h[v.r * D + v.d] += v.add;
-      if constexpr (kScanNan) {
-        for (const ValueNan& n : scratch.v_nans)
-          if (n.hl == hl)
-            for (int64_t r = 0; r < R; ++r)
-              if (scratch.row_lo[r] <= n.pos && n.pos <= scratch.row_P[r])
-                o_h[r * D + n.d] = std::numeric_limits<float>::quiet_NaN();
-      }
       const SoftmaxState* st_h = scratch.state.data() + hl * R;
       if (plan.splits > 1) {
         const int64_t part = (it.s * P.num_kv_heads + kvh) * plan.splits + it.split;
