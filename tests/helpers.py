@@ -170,6 +170,18 @@ def make_paged_fp8(seq_lens, num_kv_heads, head_size, block_size, dtype, *, k_sc
                     pg.seq_lens.to(device), keys, values, ks.to(device), vs.to(device))
 
 
+def set_cache_at(pg, kind, s, pos, h, i, value):
+    """Stores value in the key (element i) or the value (row i) of sequence s at position pos,
+    kv head h, through the block table."""
+    bs = pg.value_cache.shape[-1]
+    blk = int(pg.block_tables[s, pos // bs])
+    if kind == "key":
+        x = pg.key_cache.shape[-1]
+        pg.key_cache[blk, h, i // x, pos % bs, i % x] = value
+    else:
+        pg.value_cache[blk, h, i, pos % bs] = value
+
+
 def query_start_loc(q_lens, device="cpu"):
     """int32 [len(q_lens) + 1] cumulative offsets of the sequences' query rows."""
     out = [0]

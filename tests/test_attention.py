@@ -17,6 +17,7 @@ from tests.helpers import (
     make_paged,
     per_device,
     random_query,
+    set_cache_at,
     write_dense,
 )
 
@@ -367,12 +368,7 @@ def test_stored_nan_reads_as_nan(dtype, block_size, kind):
     lens = [bs + 3, 9 * bs + 7]
     pg = make_paged(lens, 2, 64, bs, dtype, seed=bs)
     for s, pos in ((0, bs + 1), (1, 5 * bs + 2)):
-        blk = int(pg.block_tables[s, pos // bs])
-        if kind == "key":
-            x = pg.key_cache.shape[-1]
-            pg.key_cache[blk, 1, 37 // x, pos % bs, 37 % x] = float("nan")
-        else:
-            pg.value_cache[blk, 1, 37, pos % bs] = float("nan")
+        set_cache_at(pg, kind, s, pos, 1, 37, float("nan"))
     q = random_query(len(lens), 8, 64, dtype, scale=2.0)
     scale = 64 ** -0.5
     got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,

@@ -27,6 +27,7 @@ from tests.helpers import (
     per_device,
     query_start_loc,
     random_query,
+    set_cache_at,
 )
 from tests.helpers import check_attention as check_on_device
 
@@ -340,18 +341,6 @@ def _attend_both(pg, q, **kw):
     return got.cpu().float(), want.float()
 
 
-def _put_nan(pg, kind, s, pos, h, i):
-    """A stored NaN in the key (element i) or value (row i) of sequence s at position pos,
-    kv head h."""
-    bs = pg.value_cache.shape[-1]
-    blk = int(pg.block_tables[s, pos // bs])
-    if kind == "key":
-        x = pg.key_cache.shape[-1]
-        pg.key_cache[blk, h, i // x, pos % bs, i % x] = float("nan")
-    else:
-        pg.value_cache[blk, h, i, pos % bs] = float("nan")
-
-
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 @pytest.mark.parametrize("kind", ["key", "value"])
@@ -365,7 +354,7 @@ def test_stored_nan_reads_as_nan(cache_dtype, block_size, kind):
     lens = [5, bs + 3, 20 * bs + 7]
     pg = make_paged_fp8(lens, 2, 128, bs, cache_dtype, seed=bs)
     for s, pos in ((1, bs + 1), (2, 11 * bs + 2)):
-        _put_nan(pg, kind, s, pos, 1, 37)
+        set_cache_at(pg, kind, s, pos, 1, 37, float("nan"))
     q = random_query(len(lens), 8, 128, torch.bfloat16, scale=2.0)
     got, want = _attend_both(pg, q)
     nan = torch.zeros_like(want, dtype=torch.bool)
@@ -384,7 +373,7 @@ def test_stored_nan_reads_as_nan(cache_dtype, block_size, kind):
     # at or after it see it.
     pos = 11 * bs + 2
     pg = make_paged_fp8([pos + 3], 2, 128, bs, cache_dtype, seed=bs)
-    _put_nan(pg, kind, 0, pos, 1, 37)
+    set_cache_at(pg, kind, 0, pos, 1, 37, float("nan"))
     q = random_query(5, 8, 128, torch.bfloat16, scale=2.0)
     got, want = _attend_both(pg, q, query_start_loc=query_start_loc([5]))
     rows = want.isnan().any(-1).any(-1)

@@ -20,6 +20,7 @@ from tests.helpers import (
     per_device,
     query_start_loc,
     random_query,
+    set_cache_at,
     synchronize,
 )
 
@@ -391,8 +392,7 @@ def test_non_finite_value_reaches_only_the_rows_that_see_it(dtype, block_size, s
     pg = make_paged([L], 2, 64, bs, dtype, seed=bs)
     spots = [(L - q_len + 3, 11)] + ([(L - 24, 12)] if window > 0 else [])
     for pos, d in spots:
-        blk = int(pg.block_tables[0, pos // bs])
-        pg.value_cache[blk, 1, d, pos % bs] = special
+        set_cache_at(pg, "value", 0, pos, 1, d, special)
     q = random_query(q_len, 8, 64, dtype, scale=2.0)
     qsl = query_start_loc([q_len])
     got = run(pg, q, qsl, sliding_window=window).float()
