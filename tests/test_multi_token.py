@@ -399,7 +399,7 @@ def test_non_finite_value_reaches_only_the_rows_that_see_it(dtype, block_size, s
     with one_thread():
         want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
                              64 ** -0.5, sliding_window=window, query_start_loc=qsl).float()
-    for pos, d in spots:  # per query token: whether its kv head 1 rows see the spot
+    for _pos, d in spots:  # per query token: whether its kv head 1 rows see the spot
         seen = want[:, 4:8, d].isfinite().logical_not().all(-1).tolist()
         assert seen == ([False] * 3 + [True] * 6 if d == 11 else [True] * 5 + [False] * 4)
     assert torch.equal(got.isnan(), want.isnan())
