@@ -356,6 +356,43 @@ def test_fp8_every_finite_code_decodes_exactly(fp8):
     assert torch.equal(out[0, 0], v_vals.float() * 2.0)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_every_finite_key_code_decodes_exactly(fp8, block_size, q_dtype):
+    # The key path's decoders (widening, byte tables) against torch's conversion. Sequence s
+    # has two tokens: the first with finite code c_s at dimension d_s and zero elsewhere, the
+    # second all zero; V is 1 for the first token and 0 for the second. With q = 2^-e at d_s
+    # (e the exponent of c_s, so the product is exact; for zero that of the smallest
+    # subnormal) the output is sigmoid(significand of c_s). Read as any other value, code c_s
+    # would give an output at least 0.012 away, against an fp32 error near 1e-7.
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8)
+    finite = codes[codes.float().isfinite()]
+    n, D, bs = finite.numel(), 64, block_size
+    vals = finite.float()
+    tiny = vals[vals > 0].min()
+    exp = torch.frexp(torch.where(vals == 0, tiny, vals)).exponent - 1.0
+    dims = (torch.arange(n) * 7) % D  # every dimension, so every lane of the decode
+    blocks = torch.randperm(n + 3, generator=torch.Generator().manual_seed(5))[:n]
+    kc, vc = paged_ops.allocate_kv_cache(n + 3, 1, D, bs, fp8)
+    kc.view(torch.uint8).fill_(0x7F)  # NaN in every slot the sequences do not hold
+    vc.view(torch.uint8).fill_(0x7F)
+    kc.view(torch.uint8)[blocks, 0, :, :2, :] = 0
+    kc[blocks, 0, dims // 16, 0, dims % 16] = finite
+    vc[blocks, 0, :, 0] = torch.ones((), dtype=fp8)
+    vc.view(torch.uint8)[blocks, 0, :, 1] = 0
+    q = torch.zeros(n, 1, D)
+    q[torch.arange(n), 0, dims] = torch.exp2(-exp)
+    one = torch.ones(1)
+    out = paged_ops.paged_attention(q.to(q_dtype), kc, vc, blocks[:, None].to(torch.int32),
+                                    torch.full((n,), 2, dtype=torch.int32), 1.0, k_scale=one,
+                                    v_scale=one)
+    want = torch.sigmoid(vals * torch.exp2(-exp))[:, None, None].expand(n, 1, D)
+    # bf16 outputs round to 2^-9 below 1.
+    tol = 2e-6 if q_dtype == torch.float32 else 2.0**-9
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 @pytest.mark.parametrize("kind", ["key", "value"])
