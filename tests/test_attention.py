@@ -13,6 +13,7 @@ from paged_ops import reference as ref
 from tests.helpers import (
     CUDA_BLOCK_SIZES,
     TOL,
+    cache_x,
     check_attention,
     make_paged,
     per_device,
@@ -378,7 +379,8 @@ def test_fp8_every_finite_key_code_decodes_exactly(fp8, block_size, q_dtype):
     kc.view(torch.uint8).fill_(0x7F)  # NaN in every slot the sequences do not hold
     vc.view(torch.uint8).fill_(0x7F)
     kc.view(torch.uint8)[blocks, 0, :, :2, :] = 0
-    kc[blocks, 0, dims // 16, 0, dims % 16] = finite
+    x = cache_x(fp8)
+    kc[blocks, 0, dims // x, 0, dims % x] = finite
     vc[blocks, 0, :, 0] = torch.ones((), dtype=fp8)
     vc.view(torch.uint8)[blocks, 0, :, 1] = 0
     q = torch.zeros(n, 1, D)
