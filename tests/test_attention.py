@@ -77,6 +77,19 @@ def test_every_block_size(dtype, block_size, heads, head_size):
     check(pg, q, dtype, sliding_window=bs + 5)  # a partly visible first block too
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [2, 4, 12, 24])
+def test_small_and_uneven_block_sizes(dtype, block_size):
+    # Block sizes that divide the vector width share vectors of a group's logits (dense rows,
+    # the group's tail padded with -inf); the others pad each block's row to whole vectors.
+    bs = block_size
+    lens = [1, bs + 1, 4 * bs + 3, 150]  # one block, part of a group, many groups
+    pg = make_paged(lens, 2, 64, bs, dtype, seed=40 + bs)
+    q = random_query(len(lens), 8, 64, dtype, scale=2.0)
+    check(pg, q, dtype)
+    check(pg, q, dtype, sliding_window=bs + 3)
+
+
 @pytest.mark.parametrize("device,dtype,heads,head_size,lens", per_device(
     cpu=[(dt, h, 64, (3, 16, 50)) for dt in DTYPES
          for h in [(4, 4), (8, 2), (16, 2), (8, 1), (32, 1)]],

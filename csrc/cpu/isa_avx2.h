@@ -150,29 +150,30 @@ C10_ALWAYS_INLINE void tile_sums_by_shuffles(const VecF (&a)[RT][DT], float* o,
 
 // sum_lane_groups (qk.h) in steps of 8 tokens.
 C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t x, int64_t ntok,
-                                                      float* z) {
+                                                      float* z, float scale) {
+  const VecF s(scale);
   int64_t t = 0;
   if (x == 16) {  // two vectors per token (fp8)
     for (; t + 8 <= ntok; t += 8) {
       VecF r[8];
       for (int k = 0; k < 8; ++k)
         r[k] = VecF::loadu(raw + (t + k) * 16) + VecF::loadu(raw + (t + k) * 16 + 8);
-      reduce_rows(r).store(z + t);
+      (reduce_rows(r) * s).store(z + t);
     }
   } else if (x == 8) {  // one token per vector
     for (; t + 8 <= ntok; t += 8) {
       VecF r[8];
       for (int k = 0; k < 8; ++k) r[k] = VecF::loadu(raw + (t + k) * 8);
-      reduce_rows(r).store(z + t);
+      (reduce_rows(r) * s).store(z + t);
     }
   } else if (x == 4) {  // two tokens per vector
     for (; t + 8 <= ntok; t += 8) {
       const float* b = raw + t * 4;
       const __m256 h0 = _mm256_hadd_ps(VecF::loadu(b), VecF::loadu(b + 8));
       const __m256 h1 = _mm256_hadd_ps(VecF::loadu(b + 16), VecF::loadu(b + 24));
-      const __m256 s = _mm256_hadd_ps(h0, h1);  // tokens [0, 2, 4, 6 | 1, 3, 5, 7]
+      const __m256 h = _mm256_hadd_ps(h0, h1);  // tokens [0, 2, 4, 6 | 1, 3, 5, 7]
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-      _mm256_storeu_ps(z + t, _mm256_permutevar8x32_ps(s, order));
+      _mm256_storeu_ps(z + t, _mm256_mul_ps(s, _mm256_permutevar8x32_ps(h, order)));
     }
   }
   return t;

@@ -139,7 +139,8 @@ inline VecF reduce_rows(const VecF* r) {
 
 // sum_lane_groups (qk.h) in steps of 16 tokens, then one of 8 (block size 8).
 C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t x, int64_t ntok,
-                                                      float* z) {
+                                                      float* z, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
   auto ld = [&](int64_t i) { return _mm512_loadu_ps(raw + i * W); };
   // Vectors [i, i + 8): blocks [v0-3 low half, v0-3 high half, v4-7 low, v4-7 high] (sum4 of
   // each quad, then sum_block_pairs).
@@ -150,30 +151,30 @@ C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t 
   int64_t t = 0;
   if (x == 16) {  // a token per vector
     for (; t + 16 <= ntok; t += 16, raw += 16 * W)
-      _mm512_storeu_ps(z + t, sum_block_pairs(tree8(0), tree8(8)));
+      _mm512_storeu_ps(z + t, _mm512_mul_ps(s, sum_block_pairs(tree8(0), tree8(8))));
     if (t + 8 <= ntok) {
       const __m512 w = tree8(0);
-      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(sum_block_pairs(w, w)));
+      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(_mm512_mul_ps(s, sum_block_pairs(w, w))));
       t += 8;
     }
   } else if (x == 8) {  // two tokens per vector: blocks of w are tokens [0 2 4 6 | 1 3 5 7 | ...]
     const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     for (; t + 16 <= ntok; t += 16, raw += 8 * W)
-      _mm512_storeu_ps(z + t, _mm512_permutexvar_ps(order, tree8(0)));
+      _mm512_storeu_ps(z + t, _mm512_mul_ps(s, _mm512_permutexvar_ps(order, tree8(0))));
     if (t + 8 <= ntok) {  // block size 8: blocks of w are tokens [0 2 4 6 | 1 3 5 7 | again]
       const __m512 u = sum4(ld(0), ld(1), ld(2), ld(3));
       const __m512 w = _mm512_permutexvar_ps(order, sum_block_pairs(u, u));
-      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(w));
+      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(_mm512_mul_ps(s, w)));
       t += 8;
     }
   } else if (x == 4) {  // four tokens per vector: lane 4 j + k of u is token 4 k + j
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     for (; t + 16 <= ntok; t += 16, raw += 4 * W)
-      _mm512_storeu_ps(z + t, _mm512_permutexvar_ps(order, sum4(ld(0), ld(1), ld(2), ld(3))));
+      _mm512_storeu_ps(z + t, _mm512_mul_ps(s, _mm512_permutexvar_ps(order, sum4(ld(0), ld(1), ld(2), ld(3)))));
     if (t + 8 <= ntok) {  // block size 8: two vectors, lanes 2 and 3 of each block unused
       const __m512 zero = _mm512_setzero_ps();
       const __m512 u = sum4(ld(0), ld(1), zero, zero);
-      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, u)));
+      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(_mm512_mul_ps(s, _mm512_permutexvar_ps(order, u))));
       t += 8;
     }
   }

@@ -133,7 +133,8 @@ C10_ALWAYS_INLINE void tile_sums_by_shuffles(const VecF (&)[RT][DT], float*, con
 
 // sum_lane_groups (qk.h) of the first tokens by shuffles: z[t] = sum_i raw[t * x + i]; returns
 // how many tokens it summed, sum_lane_groups does the rest. Portable: none.
-C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float*, int64_t, int64_t, float*) {
+C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float*, int64_t, int64_t, float*,
+                                                      float) {
   return 0;
 }
 

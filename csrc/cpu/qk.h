@@ -221,26 +221,30 @@ inline int64_t qk_fp8_iterations(int64_t chunk_elems, int64_t num_chunks) {
   return (units / PAGED_OPS_QK_FP8_UNITS + units % PAGED_OPS_QK_FP8_UNITS) * num_chunks;
 }
 
-// z[t] = sum_i raw[t * X + i] for t < ntok: the tokens sum_lane_groups_by_shuffles leaves
-// (all of them where the build has none), with X a constant so that the compiler vectorizes it.
+// z[t] = scale * sum_i raw[t * X + i] for t < ntok: the tokens sum_lane_groups_by_shuffles
+// leaves (all of them where the build has none), with X a constant so that the compiler
+// vectorizes it.
 template <int X>
-inline void sum_lanes(const float* __restrict raw, int64_t ntok, float* __restrict z) {
+inline void sum_lanes(const float* __restrict raw, int64_t ntok, float* __restrict z,
+                      float scale) {
   for (int64_t t = 0; t < ntok; ++t) {
     float v = 0.f;
     for (int i = 0; i < X; ++i) v += raw[t * X + i];
-    z[t] = v;
+    z[t] = scale * v;
   }
 }
 
-// z[t] = sum_i raw[t * x + i] for t < ntok: the per-token q.k dot products, or the rows of
-// p.v accumulators whose lanes hold x partial sums per row (Layout::acc_lanes).
-inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z) {
-  const int64_t t = sum_lane_groups_by_shuffles(raw, x, ntok, z);  // tokens [0, t) done
+// z[t] = scale * sum_i raw[t * x + i] for t < ntok: the per-token q.k dot products (scaled
+// here where q is not: Layout::dot_bf16), or the rows of p.v accumulators whose lanes hold x
+// partial sums per row (Layout::acc_lanes).
+inline void sum_lane_groups(const float* raw, int64_t x, int64_t ntok, float* z,
+                            float scale = 1.f) {
+  const int64_t t = sum_lane_groups_by_shuffles(raw, x, ntok, z, scale);  // tokens [0, t) done
   // x is Layout::x_sum (16 / sizeof(cache element) or half of it) or acc_lanes: 4, 8 or 16.
   switch (x) {
-    case 4: return sum_lanes<4>(raw + t * x, ntok - t, z + t);
-    case 8: return sum_lanes<8>(raw + t * x, ntok - t, z + t);
-    case 16: return sum_lanes<16>(raw + t * x, ntok - t, z + t);
+    case 4: return sum_lanes<4>(raw + t * x, ntok - t, z + t, scale);
+    case 8: return sum_lanes<8>(raw + t * x, ntok - t, z + t, scale);
+    case 16: return sum_lanes<16>(raw + t * x, ntok - t, z + t, scale);
     default: TORCH_INTERNAL_ASSERT(false, "sum_lane_groups: ", x, " lanes per token");
   }
 }
