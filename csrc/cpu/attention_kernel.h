@@ -71,6 +71,12 @@ inline namespace CPU_CAPABILITY {
 #define PAGED_OPS_PHASE_PV 1
 #endif
 
+// Two blocks of W / 2 tokens summed across lanes together (Layout::sum_blocks); 0 for one at a
+// time.
+#ifndef PAGED_OPS_SUM_BLOCK_PAIRS
+#define PAGED_OPS_SUM_BLOCK_PAIRS 1
+#endif
+
 // A non-finite value of a value block that p.v does not carry to the output itself (an e4m3
 // NaN read by the vector decode, scan_values; a value some rows of a multi-token item see and
 // others do not, isolate_nonfinite): what it adds to row r's output element d (finish).
@@ -85,7 +91,8 @@ struct ValuePoison {
 // per-step buffers R.
 struct Scratch {
   LineVector<float> qrep;     // [HR][D/x][q_repeat]: q chunk c (pre-scaled) repeated to q_repeat
-  LineVector<float> raw;      // [R][raw_row] per-lane partial q.k sums of one block (t * x + i)
+  LineVector<float> raw;      // [R][raw_row] per-lane partial q.k sums of a block or a pair of
+                              // blocks (Layout::sum_blocks): x_sum lanes per token
   LineVector<float> p;        // [R][group_row] logits, then probabilities of a group
   LineVector<float> acc;      // [HR][acc_row] running sum of p * v, lanes not yet summed (lane_acc)
   LineVector<float> ot;       // [HR][D] running sum of p * v (pv_group), tile-major (tile_sums)
@@ -97,7 +104,7 @@ struct Scratch {
   LineVector<uint16_t> pdot;  // [R][kGroup][2 W] bf16 probabilities (dot_pv)
   LineVector<SoftmaxState> state;  // [HR] running max and normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
-  std::vector<uint8_t> k_nan;     // [bs] per token of a key block: an element is an e4m3 NaN
+  std::vector<uint8_t> k_nan;  // [kGroup][bs] per token of a key block: an element is an e4m3 NaN
   std::vector<ValuePoison> v_poison;  // the item's non-finite values p.v leaves out
   // The AMX path (Layout::amx, amx_attention.h):
   LineVector<uint16_t> qtiles;  // [nh][R / 4][D / 8][512] query operands of q.k
@@ -140,6 +147,12 @@ struct Layout {
   bool fp8_tables;
   int64_t q_repeat;     // q chunk repetition length (x, W: powers of 2)
   int64_t x_sum;  // raw lanes per token
+  // Blocks whose q.k sums are summed across lanes together (1 or 2): two blocks of W / 2
+  // tokens at 4 lanes per token fill the 4 vectors that one sum of sum_lane_groups reads,
+  // where one block fills half of them (bf16 pairs and fp8 tables at block size 8 on 16
+  // lanes: 1.00-1.04x per call). At 8 lanes per token one block fills them already, and
+  // pairs measured 0.95-0.98x (fp16).
+  int64_t sum_blocks;
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
   bool half_pv;  // block size W / 2: p.v by pv_half_tile (two V rows per vector)
@@ -192,6 +205,8 @@ struct Layout {
     amx = kAmx && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 && x == kAmxX &&
           D % 16 == 0 && amx_block_size_ok(bs) && rows_max <= 16 && amx::usable();
     if (amx) lane_acc = false;
+    sum_blocks = PAGED_OPS_SUM_BLOCK_PAIRS && 2 * bs == W && x_sum <= 4 && !amx ? 2 : 1;
+    raw_row = std::max(raw_row, round_up(sum_blocks * bs * x_sum, W));
     dot_pv = kDotBF16 && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 && !amx &&
              (bs == W / 2 || bs == W) && D * bs % (2 * W) == 0;
     dot_accs = D * bs / (2 * W);
@@ -273,7 +288,7 @@ struct ItemWorker {
     grow(scratch.state, HR_max);
     scratch.row_P.resize(R_max);
     scratch.row_lo.resize(R_max);
-    if (kScanNan) scratch.k_nan.resize(layout.bs);
+    if (kScanNan) scratch.k_nan.resize(kGroup * layout.bs);
   }
 
   // K and V of blocks [b, b + n) of sequence s, kv head kvh, through the block table.
@@ -444,7 +459,7 @@ struct ItemWorker {
       if (t >= g.t0[k] && t < g.t1[k])
         for (int64_t c = 0; c < D / x; ++c)
           for (int64_t i = 0; i < x; ++i) nan |= is_e4m3_nan(kb[(c * bs + t) * x + i]);
-      scratch.k_nan[t] = nan;
+      scratch.k_nan[k * bs + t] = nan;
       any |= nan;
     }
     return any;
@@ -517,12 +532,10 @@ struct ItemWorker {
   void logits(int64_t hl, int64_t b0, int64_t nb, const GroupBlocks<CT>& g) {
     const int64_t num_chunks = layout.num_chunks, q_repeat = layout.q_repeat;
     const int64_t raw_row = layout.raw_row, block_row = layout.block_row, bs = layout.bs;
-    const float neg_inf = -std::numeric_limits<float>::infinity();
     // What the q.k sums are multiplied by (in the vectors that sum them): q is scaled already,
     // except in bf16 pairs.
     const float z_scale = layout.dot_bf16 ? layout.qk_scale : 1.f;
     const float* const qrep_h = scratch.qrep.data() + hl * R * num_chunks * q_repeat;
-    const int64_t h0 = (it.kvh + hl) * layout.G;
     // The next block's key lines go out over the q.k loop's iterations: every tile of rows
     // (R / 4 + R % 4 tiles), or the AMX loop's.
     const int64_t pf_steps = layout.amx ? amx_qk_iterations(R, layout.D, bs)
@@ -535,11 +548,11 @@ struct ItemWorker {
         kSplitKeyPrefetch && (layout.fast_pv || layout.half_pv || layout.dot_pv) && !layout.amx;
     const int64_t head = split ? kbytes / 2 / 64 * 64 : kbytes;
     const int64_t rest_steps = head < kbytes ? pv_calls() : 0;
+    const int64_t sum_blocks = layout.sum_blocks;
+    bool k_nan[kGroup] = {};
     for (int64_t k = 0; k < nb; ++k) {
-      const int64_t b = b0 + k;
       int64_t r = 0;
-      bool k_nan = false;
-      if constexpr (kScanNan) k_nan = !layout.fp8_tables && scan_keys(g, k);
+      if constexpr (kScanNan) k_nan[k] = !layout.fp8_tables && scan_keys(g, k);
       PrefetchCursor pf(g.k_next[k], head, pf_steps);
       k_rest[k] = head < kbytes
                       ? PrefetchCursor(reinterpret_cast<const char*>(g.k_next[k]) + head,
@@ -560,7 +573,8 @@ struct ItemWorker {
         constexpr int G_T = decltype(tile)::value;
         for (; r + G_T <= R; r += G_T) {
           const float* qr = qrep_h + r * num_chunks * q_repeat;
-          float* raw = scratch.raw.data() + r * raw_row;
+          // Tokens of the blocks summed together follow each other in raw.
+          float* raw = scratch.raw.data() + r * raw_row + k % sum_blocks * bs * layout.x_sum;
           if constexpr (std::is_same_v<CT, c10::BFloat16>) {
             if (layout.dot_bf16) {
               qk_tile_dot<G_T>(g.k[k], qr, raw, num_chunks, layout.chunk_elems, raw_row, pf);
@@ -585,35 +599,51 @@ struct ItemWorker {
         qk(std::integral_constant<int, 4>{}, std::false_type{});
         qk(std::integral_constant<int, 1>{}, std::false_type{});
       }
-      for (r = 0; r < R; ++r) {
-        float* pr = scratch.p.data() + r * layout.group_row + k * block_row;
-        const int64_t t0 = std::clamp<int64_t>(scratch.row_lo[r] - b * bs, 0, bs);
-        const int64_t t1 = std::clamp<int64_t>(scratch.row_P[r] + 1 - b * bs, 0, bs);
-        if (t0 >= t1) {  // nothing of this block is visible to this row
-          std::fill(pr, pr + block_row, neg_inf);
-          continue;
-        }
-        if (layout.amx)
-          for (int64_t t = 0; t < bs; ++t) pr[t] *= layout.qk_scale;
-        else
-          sum_lane_groups(scratch.raw.data() + r * raw_row, layout.x_sum, bs, pr, z_scale);
-        if (k_nan)
-          for (int64_t t = 0; t < bs; ++t)
-            if (scratch.k_nan[t]) pr[t] = std::numeric_limits<float>::quiet_NaN();
-        for (int64_t t = bs; t < block_row; ++t) pr[t] = neg_inf;
-        if (!layout.plain_logits || t0 > 0 || t1 < bs) {
-          const float slope =
-              P.alibi_slopes ? P.alibi_slopes[(h0 + r % layout.G) * P.alibi_stride] : 0.f;
-          for (int64_t t = 0; t < bs; ++t) {
-            if (t < t0 || t >= t1) {
-              pr[t] = neg_inf;
-              continue;
-            }
-            float v = pr[t];
-            if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
-            if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - scratch.row_P[r]);
-            pr[t] = v;
+      // The logits of blocks [k_first, k]: a pair's once both are summed in raw.
+      if (k % sum_blocks + 1 < sum_blocks && k + 1 < nb) continue;
+      const int64_t k_first = k - k % sum_blocks;
+      if (!layout.amx)
+        for (r = 0; r < R; ++r)
+          sum_lane_groups(scratch.raw.data() + r * raw_row, layout.x_sum, (k - k_first + 1) * bs,
+                          scratch.p.data() + r * layout.group_row + k_first * block_row,
+                          z_scale);
+      for (int64_t kk = k_first; kk <= k; ++kk) finish_logits(hl, kk, b0 + kk, k_nan[kk]);
+    }
+  }
+
+  // The logits of block k (b of the sequence) from its q.k sums (in p already): -inf where a
+  // row does not see it and in the padding up to block_row, NaN for a key with an e4m3 NaN
+  // (k_nan), then the soft cap and ALiBi.
+  void finish_logits(int64_t hl, int64_t k, int64_t b, bool k_nan) {
+    const int64_t bs = layout.bs, block_row = layout.block_row;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const int64_t h0 = (it.kvh + hl) * layout.G;
+    for (int64_t r = 0; r < R; ++r) {
+      float* pr = scratch.p.data() + r * layout.group_row + k * block_row;
+      const int64_t t0 = std::clamp<int64_t>(scratch.row_lo[r] - b * bs, 0, bs);
+      const int64_t t1 = std::clamp<int64_t>(scratch.row_P[r] + 1 - b * bs, 0, bs);
+      if (t0 >= t1) {  // nothing of this block is visible to this row
+        std::fill(pr, pr + block_row, neg_inf);
+        continue;
+      }
+      if (layout.amx)
+        for (int64_t t = 0; t < bs; ++t) pr[t] *= layout.qk_scale;
+      if (k_nan)
+        for (int64_t t = 0; t < bs; ++t)
+          if (scratch.k_nan[k * bs + t]) pr[t] = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t t = bs; t < block_row; ++t) pr[t] = neg_inf;
+      if (!layout.plain_logits || t0 > 0 || t1 < bs) {
+        const float slope =
+            P.alibi_slopes ? P.alibi_slopes[(h0 + r % layout.G) * P.alibi_stride] : 0.f;
+        for (int64_t t = 0; t < bs; ++t) {
+          if (t < t0 || t >= t1) {
+            pr[t] = neg_inf;
+            continue;
           }
+          float v = pr[t];
+          if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
+          if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - scratch.row_P[r]);
+          pr[t] = v;
         }
       }
     }
