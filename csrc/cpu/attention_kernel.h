@@ -155,7 +155,10 @@ struct Layout {
   int64_t sum_blocks;
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
-  bool half_pv;  // block size W / 2: p.v by pv_half_tile (two V rows per vector)
+  // Block size W / 2, or W / 4 from 4 (acc_lanes >= 4): p.v by pv_half_tile, rows_per_vector
+  // V rows per vector.
+  bool half_pv;
+  int64_t rows_per_vector;
   bool lane_acc;  // the p.v sums live in acc between groups (pv_row_any, or kLaneAcc)
   // p.v by bf16 pair dot products (pv_dot_tile): a bf16 cache read with bf16 queries where the
   // CPU has them (kDotBF16), block sizes W / 2 and W, off AMX. The probabilities are rounded
@@ -194,7 +197,8 @@ struct Layout {
     x_sum = fp8_tables ? 4 : dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV % 4 == 0);
-    half_pv = 2 * bs == W && D % 2 == 0;
+    rows_per_vector = 2 * bs == W ? 2 : 4 * bs == W && bs >= 4 ? 4 : 0;
+    half_pv = rows_per_vector > 0 && D % rows_per_vector == 0;
     lane_acc = !fast_pv || kLaneAcc;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
     qk_iters = dot_bf16      ? qk_dot_iterations(chunk_elems, num_chunks)
@@ -214,7 +218,7 @@ struct Layout {
       fast_pv = half_pv = false;
       lane_acc = true;
     }
-    acc_lanes = dot_pv ? bs / 2 : half_pv ? W / 2 : W;
+    acc_lanes = dot_pv ? bs / 2 : half_pv ? bs : W;
     acc_len = D * acc_lanes;
   }
 };
@@ -391,7 +395,7 @@ struct ItemWorker {
   // Steps of p.v per block over all rows of a kv head (k_rest's): pv_half_tile's steps, or
   // pv_group's vector iterations.
   int64_t pv_calls() const {
-    if (layout.half_pv) return (R / 4 + R % 4) * pv_half_steps(layout.D);
+    if (layout.half_pv) return (R / 4 + R % 4) * pv_half_steps(layout.D, layout.rows_per_vector);
     if (layout.dot_pv) return (R / 4 + R % 4) * pv_dot_steps(layout.dot_accs);
     const int nv_template = static_cast<int>(std::min<int64_t>(layout.NV, 4));  // pv's NVc
     return (R / 4 + R % 4) * pv_steps(nv_template, layout.D) * layout.NV;
@@ -755,15 +759,20 @@ struct ItemWorker {
     if (layout.half_pv) {
       const CT* src[kGroup];
       in_own_type(src);
-      int64_t r = 0;
-      for (; r + 4 <= R; r += 4)
-        pv_half_tile<4, kSplitKeyPrefetch>(src, nb, scratch.p.data() + r * group_row, group_row,
-                                           layout.block_row, acc_h + r * acc_row, acc_row, D,
-                                           g.v_next, k_rest, first);
-      for (; r < R; ++r)
-        pv_half_tile<1, kSplitKeyPrefetch>(src, nb, scratch.p.data() + r * group_row, group_row,
-                                           layout.block_row, acc_h + r * acc_row, acc_row, D,
-                                           g.v_next, k_rest, first);
+      auto tiles = [&](auto rpv) {
+        constexpr int RPV = decltype(rpv)::value;
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4)
+          pv_half_tile<4, RPV, kSplitKeyPrefetch>(src, nb, scratch.p.data() + r * group_row,
+                                                  group_row, layout.block_row, acc_h + r * acc_row,
+                                                  acc_row, D, g.v_next, k_rest, first);
+        for (; r < R; ++r)
+          pv_half_tile<1, RPV, kSplitKeyPrefetch>(src, nb, scratch.p.data() + r * group_row,
+                                                  group_row, layout.block_row, acc_h + r * acc_row,
+                                                  acc_row, D, g.v_next, k_rest, first);
+      };
+      if (layout.rows_per_vector == 2) tiles(std::integral_constant<int, 2>{});
+      else tiles(std::integral_constant<int, 4>{});
       return;
     }
     if (!layout.fast_pv) {

@@ -169,12 +169,15 @@ C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t 
     }
   } else if (x == 4) {  // four tokens per vector: lane 4 j + k of u is token 4 k + j
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    for (; t + 16 <= ntok; t += 16, raw += 4 * W)
-      _mm512_storeu_ps(z + t, _mm512_mul_ps(s, _mm512_permutexvar_ps(order, sum4(ld(0), ld(1), ld(2), ld(3)))));
+    for (; t + 16 <= ntok; t += 16, raw += 4 * W) {
+      const __m512 u = sum4(ld(0), ld(1), ld(2), ld(3));
+      _mm512_storeu_ps(z + t, _mm512_mul_ps(s, _mm512_permutexvar_ps(order, u)));
+    }
     if (t + 8 <= ntok) {  // block size 8: two vectors, lanes 2 and 3 of each block unused
       const __m512 zero = _mm512_setzero_ps();
       const __m512 u = sum4(ld(0), ld(1), zero, zero);
-      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(_mm512_mul_ps(s, _mm512_permutexvar_ps(order, u))));
+      const __m512 w = _mm512_mul_ps(s, _mm512_permutexvar_ps(order, u));
+      _mm256_storeu_ps(z + t, _mm512_castps512_ps256(w));
       t += 8;
     }
   }

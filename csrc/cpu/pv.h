@@ -206,27 +206,29 @@ inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D
   }
 }
 
-// p . v for block size W / 2 (8 on the 16-lane builds): a vector holds V rows d and d + 1 of
-// a block, and the block's probabilities go in both of its halves, so lanes [0, W / 2) of the
-// accumulator acc[(d / 2) * W] sum row d's products and lanes [W / 2, W) row d + 1's (the
-// end of the item sums them by sum_lane_groups, W / 2 lanes per row d). A tile of RT rows
+// p . v for block sizes W / RPV, RPV = 2 or 4 (8 and 4 on the 16-lane builds, 4 on the 8-lane
+// ones): a vector holds V rows [d, d + RPV) of a block, and the block's probabilities go in
+// each of its RPV parts, so lanes [j bs, (j + 1) bs) of the accumulator acc[(d / RPV) * W] sum
+// row d + j's products (the end of the item sums them by sum_lane_groups, bs lanes per row
+// d). Block size 4 on avx512_bf16 against converting each block to fp32 for pv_row_any:
+// 3.0-4.7x per call (every cache dtype, benchmarks/RESULTS.md). A tile of RT rows
 // keeps DT accumulators each in registers over the nb blocks of the group (one V load feeds RT
 // FMAs); acc holds them between groups (rescaled by SoftmaxState::step). Partly visible blocks
 // arrive with their hidden columns zeroed. init: the item's first group (acc is written, not
 // read).
 //
-// Each step reads rows [d, d + 4) of every block and asks for the same rows of the next blocks
-// (next[k]; each line once, in the step whose rows it starts in), and k_rest[k] (KREST) steps
-// once per block and step: without them the core's miss buffers sat idle through p.v and the
-// V loads missed (62% of pv's samples on the V load).
-constexpr int kHalfPairsPerStep = 2;  // pv_half_tile's pairs of rows d per step
+// Each step reads rows [d, d + 2 RPV) of every block and asks for the same rows of the next
+// blocks (next[k]; each line once, in the step whose rows it starts in), and k_rest[k] (KREST)
+// steps once per block and step: without them the core's miss buffers sat idle through p.v and
+// the V loads missed (62% of pv's samples on the V load).
+constexpr int kHalfPairsPerStep = 2;  // pv_half_tile's V vectors per step
 // pv_half_tile's steps of a pass over D rows (each block's k_rest steps once per step).
-inline int64_t pv_half_steps(int64_t D) { return D / (2 * kHalfPairsPerStep); }
-template <int RT, bool KREST, typename VT, typename NT>
+inline int64_t pv_half_steps(int64_t D, int64_t rpv) { return D / (rpv * kHalfPairsPerStep); }
+template <int RT, int RPV, bool KREST, typename VT, typename NT>
 inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64_t p_stride,
                          int64_t block_row, float* acc, int64_t acc_stride, int64_t D,
                          const NT* const* next, PrefetchCursor* k_rest, bool init) {
-  constexpr int64_t H = W / 2;
+  constexpr int64_t H = W / RPV;  // the block size
   constexpr int DT = kHalfPairsPerStep;
   constexpr int64_t kRowBytes = H * static_cast<int64_t>(sizeof(NT));
   alignas(64) float p2[RT][kGroup][W];
@@ -234,17 +236,17 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
     for (int64_t k = 0; k < nb; ++k)
       for (int64_t t = 0; t < W; ++t) p2[r][k][t] = p[r * p_stride + k * block_row + t % H];
   int64_t d = 0;
-  for (; d + 2 * DT <= D; d += 2 * DT) {
+  for (; d + RPV * DT <= D; d += RPV * DT) {
     VecF a[RT][DT];
     for (int r = 0; r < RT; ++r)
       for (int u = 0; u < DT; ++u)
-        a[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d / 2 + u) * W);
+        a[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d / RPV + u) * W);
     for (int64_t k = 0; k < nb; ++k) {
       if constexpr (KREST) k_rest[k].step();
       const char* nx = reinterpret_cast<const char*>(next[k]);
-      for (int64_t b = (d * kRowBytes + 63) / 64 * 64; b < (d + 2 * DT) * kRowBytes; b += 64)
+      for (int64_t b = (d * kRowBytes + 63) / 64 * 64; b < (d + RPV * DT) * kRowBytes; b += 64)
         prefetch_l2(nx + b);
-      VecF v[DT];  // rows [d, d + 4): contiguous, one load2_f32 (one fp8 decode for both)
+      VecF v[DT];  // rows [d, d + 2 RPV): contiguous, one load2_f32 (one fp8 decode for both)
       static_assert(DT == 2);
       load2_f32(src[k] + d * H, v[0], v[1]);
       for (int r = 0; r < RT; ++r) {
@@ -253,14 +255,14 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
       }
     }
     for (int r = 0; r < RT; ++r)
-      for (int u = 0; u < DT; ++u) a[r][u].store(acc + r * acc_stride + (d / 2 + u) * W);
+      for (int u = 0; u < DT; ++u) a[r][u].store(acc + r * acc_stride + (d / RPV + u) * W);
   }
-  for (; d < D; d += 2) {  // D % 4 == 2
+  for (; d < D; d += RPV) {  // D % (2 RPV) == RPV
     for (int r = 0; r < RT; ++r) {
-      VecF a = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + d / 2 * W);
+      VecF a = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + d / RPV * W);
       for (int64_t k = 0; k < nb; ++k)
         a = at::vec::fmadd(load_f32(src[k] + d * H), VecF::loadu(p2[r][k]), a);
-      a.store(acc + r * acc_stride + d / 2 * W);
+      a.store(acc + r * acc_stride + d / RPV * W);
     }
   }
 }
