@@ -777,11 +777,16 @@ struct ItemWorker {
     }
     if (!layout.fast_pv) {
       vcopy();
-      for (int64_t k = 0; k < nb; ++k)
-        for (int64_t r = 0; r < R; ++r)
-          pv_row_any(scratch.vtmp.data() + k * D * bs,
-                     scratch.p.data() + r * group_row + k * layout.block_row, acc_h + r * acc_row,
-                     D, bs);
+      const float* vb[kGroup];
+      for (int64_t k = 0; k < nb; ++k) vb[k] = scratch.vtmp.data() + k * D * bs;
+      const float* const pp = scratch.p.data();
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4)
+        pv_row_any<4>(vb, nb, pp + r * group_row, group_row, layout.block_row,
+                      acc_h + r * acc_row, acc_row, D, bs);
+      for (; r < R; ++r)
+        pv_row_any<1>(vb, nb, pp + r * group_row, group_row, layout.block_row,
+                      acc_h + r * acc_row, acc_row, D, bs);
       return;
     }
     auto run = [&](auto nv, auto src) {

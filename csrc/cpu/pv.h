@@ -193,16 +193,30 @@ inline void rows_from_tiles(const float* ot, int64_t R, int64_t D, float* o) {
   std::copy(ot, ot + (R - r) * D, o + r * D);
 }
 
-// Any block size: a [D][bs] fp32 V block, one row at a time, vectors over t (zero-filled tail).
-inline void pv_row_any(const float* vblk, const float* pg, float* acc, int64_t D, int64_t bs) {
+// Any block size: p . v of a group's [D][bs] fp32 V blocks (vb[k]) for a tile of RT query
+// rows, vectors over the offsets t (the last one partial where W does not divide bs; p's
+// padding past bs is never read as a factor of anything but that partial vector's zero
+// lanes). Each row's accumulators stay in registers over the nb blocks (one acc load and
+// store per row d and group, one V load per RT FMAs): against one row and one block at a
+// time, avx512_bf16 at B=8 L=2048: block sizes 1-48 1.05-1.96x (fp16 at 48 0.93x).
+template <int RT>
+inline void pv_row_any(const float* const* vb, int64_t nb, const float* p, int64_t p_stride,
+                       int64_t block_row, float* acc, int64_t acc_stride, int64_t D,
+                       int64_t bs) {
+  const int64_t nvec = (bs + W - 1) / W, tail = bs - (nvec - 1) * W;
   for (int64_t d = 0; d < D; ++d) {
-    const float* row = vblk + d * bs;
-    VecF a = VecF::loadu(acc + d * W);
-    for (int64_t t = 0; t < bs; t += W) {
-      const int64_t cnt = std::min<int64_t>(W, bs - t);
-      a = at::vec::fmadd(VecF::loadu(row + t, cnt), VecF::loadu(pg + t), a);
+    VecF a[RT];
+    for (int r = 0; r < RT; ++r) a[r] = VecF::loadu(acc + r * acc_stride + d * W);
+    for (int64_t k = 0; k < nb; ++k) {
+      const float* row = vb[k] + d * bs;
+      const float* pk = p + k * block_row;
+      for (int64_t i = 0; i < nvec; ++i) {
+        const VecF v = i + 1 < nvec ? VecF::loadu(row + i * W) : VecF::loadu(row + i * W, tail);
+        for (int r = 0; r < RT; ++r)
+          a[r] = at::vec::fmadd(v, VecF::loadu(pk + r * p_stride + i * W), a[r]);
+      }
     }
-    a.store(acc + d * W);
+    for (int r = 0; r < RT; ++r) a[r].store(acc + r * acc_stride + d * W);
   }
 }
 
