@@ -406,3 +406,26 @@ def test_non_finite_value_reaches_only_the_rows_that_see_it(dtype, block_size, s
     assert torch.equal(got.isinf(), want.isinf())
     finite = want.isfinite()
     torch.testing.assert_close(got[finite], want[finite], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
+def test_nan_key_reaches_only_the_rows_that_see_it(dtype, block_size):
+    # A NaN key element at the chunk's 4th position makes every logit, probability and output
+    # of the rows that see it NaN, as softmax over it does; the 3 rows before it must stay
+    # finite, however the kernel lays the rows' probabilities side by side (dense rows at
+    # block sizes that divide the vector width: a row's last block borders the next row).
+    bs, q_len, L = block_size, 9, 3 * block_size + 40
+    pg = make_paged([L], 2, 64, bs, dtype, seed=bs + 7)
+    set_cache_at(pg, "key", 0, L - q_len + 3, 1, 5, float("nan"))
+    q = random_query(q_len, 8, 64, dtype, scale=2.0)
+    qsl = query_start_loc([q_len])
+    got = run(pg, q, qsl).float()
+    with one_thread():
+        want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                             64 ** -0.5, query_start_loc=qsl).float()
+    nan_rows = want[:, 4:8].isnan().all(-1).all(-1).tolist()  # kv head 1's query heads
+    assert nan_rows == [False] * 3 + [True] * 6
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], **TOL[dtype])

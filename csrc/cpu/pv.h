@@ -194,9 +194,10 @@ inline void rows_from_tiles(const float* ot, int64_t R, int64_t D, float* o) {
 }
 
 // Any block size: p . v of a group's [D][bs] fp32 V blocks (vb[k]) for a tile of RT query
-// rows, vectors over the offsets t (the last one partial where W does not divide bs; p's
-// padding past bs is never read as a factor of anything but that partial vector's zero
-// lanes). Each row's accumulators stay in registers over the nb blocks (one acc load and
+// rows, vectors over the offsets t (the last one partial where W does not divide bs, its
+// lanes past bs zero in both factors: a padded probability row holds 0 there, a dense one
+// (block_row < a whole vector) the next block's or the next row's probabilities, which may
+// be NaN for a row that sees a NaN key, and 0 * NaN would reach this row). Each row's accumulators stay in registers over the nb blocks (one acc load and
 // store per row d and group, one V load per RT FMAs): against one row and one block at a
 // time, avx512_bf16 at B=8 L=2048: block sizes 1-48 1.05-1.96x (fp16 at 48 0.93x).
 template <int RT>
@@ -204,6 +205,7 @@ inline void pv_row_any(const float* const* vb, int64_t nb, const float* p, int64
                        int64_t block_row, float* acc, int64_t acc_stride, int64_t D,
                        int64_t bs) {
   const int64_t nvec = (bs + W - 1) / W, tail = bs - (nvec - 1) * W;
+  const bool p_padded = block_row >= nvec * W;
   for (int64_t d = 0; d < D; ++d) {
     VecF a[RT];
     for (int r = 0; r < RT; ++r) a[r] = VecF::loadu(acc + r * acc_stride + d * W);
@@ -211,9 +213,13 @@ inline void pv_row_any(const float* const* vb, int64_t nb, const float* p, int64
       const float* row = vb[k] + d * bs;
       const float* pk = p + k * block_row;
       for (int64_t i = 0; i < nvec; ++i) {
-        const VecF v = i + 1 < nvec ? VecF::loadu(row + i * W) : VecF::loadu(row + i * W, tail);
-        for (int r = 0; r < RT; ++r)
-          a[r] = at::vec::fmadd(v, VecF::loadu(pk + r * p_stride + i * W), a[r]);
+        const bool part = i + 1 == nvec;
+        const VecF v = part ? VecF::loadu(row + i * W, tail) : VecF::loadu(row + i * W);
+        for (int r = 0; r < RT; ++r) {
+          const float* pr = pk + r * p_stride + i * W;
+          const VecF pv = part && !p_padded ? VecF::loadu(pr, tail) : VecF::loadu(pr);
+          a[r] = at::vec::fmadd(v, pv, a[r]);
+        }
       }
     }
     for (int r = 0; r < RT; ++r) a[r].store(acc + r * acc_stride + d * W);
