@@ -78,13 +78,15 @@ def test_every_block_size(dtype, block_size, heads, head_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [2, 4, 12, 24])
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 12, 24])
 @pytest.mark.parametrize("head_size", [64, 68])
 def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
     # Block sizes that divide the vector width share vectors of a group's logits (dense rows,
     # the group's tail padded with -inf), and at a half or a quarter of it several V rows share
     # a p.v vector (head size 68: a last step of fewer rows); the others pad each block's row
-    # to whole vectors.
+    # to whole vectors. Below the vector width without a path of their own (1, 3, 5; 2 and 12
+    # on 16 lanes), blocks are staged (csrc/cpu/staging.h): with head size 68 their values
+    # too, else p.v reads the cache's values (pv_tiny).
     if head_size % cache_x(dtype):
         pytest.skip("head size not a multiple of x")
     bs = block_size
@@ -93,6 +95,26 @@ def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
     q = random_query(len(lens), 8, head_size, dtype, scale=2.0)
     check(pg, q, dtype)
     check(pg, q, dtype, sliding_window=bs + 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 3, 7])
+def test_staged_block_sizes(dtype, block_size):
+    # Staged blocks (several cache blocks copied into one of a size the fast paths read,
+    # csrc/cpu/staging.h) across groups, kv heads and items: a long sequence split over the
+    # threads, windows that start inside a staged block and inside a cache block, ALiBi and a
+    # soft cap; the unwritten slots of the last block hold NaN.
+    bs = block_size
+    lens = [1, bs, 17 * bs + 2, 700]
+    pg = make_paged(lens, 2, 128, bs, dtype, seed=60 + bs)
+    q = random_query(len(lens), 8, 128, dtype, scale=2.0)
+    check(pg, q, dtype)
+    check(pg, q, dtype, sliding_window=2 * bs + 3)
+    check(pg, q, dtype, sliding_window=41, alibi_slopes=torch.rand(8), logits_soft_cap=5.0)
+    pg = make_paged([900], 2, 128, bs, dtype, seed=70 + bs)
+    q = random_query(1, 8, 128, dtype, scale=2.0)
+    check(pg, q, dtype)
+    check(pg, q, dtype, sliding_window=300)
 
 
 @pytest.mark.parametrize("device,dtype,heads,head_size,lens", per_device(

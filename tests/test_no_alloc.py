@@ -62,12 +62,14 @@ SCRIPT = textwrap.dedent("""
         print(*what, counter.value - before)
         assert counter.value == before, f"{{counter.value - before}} allocations in 10 calls"
 
-    for dtype, lens, q_lens in [
-        (torch.float32, [2048, 5], None),                # split-K (few sequences, long)
-        (torch.bfloat16, [64] * 9 + [63], None),          # many short sequences
-        (torch.float32, [700, 33], [17, 1]),              # several query tokens per sequence
+    for dtype, lens, q_lens, bs in [
+        (torch.float32, [2048, 5], None, 16),             # split-K (few sequences, long)
+        (torch.bfloat16, [64] * 9 + [63], None, 16),       # many short sequences
+        (torch.float32, [700, 33], [17, 1], 16),           # several query tokens per sequence
+        (torch.bfloat16, [900, 7], None, 3),              # staged blocks
+        (torch.float32, [300, 33], [9, 1], 1),             # staged, several query tokens
     ]:
-        pg = make_paged(lens, 2, 64, 16, dtype)
+        pg = make_paged(lens, 2, 64, bs, dtype)
         n = sum(q_lens) if q_lens else len(lens)
         q = random_query(n, 8, 64, dtype)
         out = torch.empty_like(q)

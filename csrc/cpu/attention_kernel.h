@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "cpu/amx_attention.h"
@@ -48,6 +49,7 @@
 #include "cpu/pv.h"
 #include "cpu/qk.h"
 #include "cpu/softmax.h"
+#include "cpu/staging.h"
 #include "cpu/work_plan.h"
 
 namespace paged::cpu {
@@ -112,6 +114,10 @@ struct Scratch {
   LineVector<float> amx_o;    // [HR / R][D][16] running sums of p * v, d-major
   LineVector<uint8_t> kraw;   // [D * bs] a key block with hidden tokens zeroed
   LineVector<float> cbuf;     // [512] accumulator tiles stored
+  // Staged blocks (Layout::stage, staging.h):
+  LineVector<uint8_t> kstage, vstage;  // [kGroup][D * bs] a group's staged K and V blocks
+  std::vector<const char*> next_lines;  // the lines of the next step's cache blocks, by slot
+  LineVector<float> tiny_pat;  // [kGroup * per][4][tiny_period][W] pv_tiny's patterns
 };
 
 inline Scratch& thread_scratch() {
@@ -122,7 +128,11 @@ inline Scratch& thread_scratch() {
 // Per-call constants: the scratch geometry and how the cache type CT is read.
 template <typename CT>
 struct Layout {
+  // bs: the block size the kernel reads, the cache's (cache_bs) or that of staged blocks
+  // (stage, staging.h).
   int64_t G, D, bs, x, num_chunks, chunk_elems;
+  int64_t cache_bs;
+  StageShape stage;
   int64_t raw_row;  // raw row, padded to whole vectors
   // Probability row of one block: padded to whole vectors, except that block sizes dividing W
   // pack their rows densely (block size 8 on 16 lanes: a group's 32 logits take two vectors
@@ -181,7 +191,46 @@ struct Layout {
   bool amx;
 
   Layout(const AttentionParams& P, int64_t rows_max)
-      : G(P.num_heads / P.num_kv_heads), D(P.head_size), bs(P.block_size), x(P.x) {
+      : G(P.num_heads / P.num_kv_heads), D(P.head_size), bs(P.block_size), x(P.x),
+        cache_bs(P.block_size) {
+    derive(P, rows_max);
+    // Block sizes below W that no fast p.v path takes (pv_row_any's) are staged, as are those
+    // below PAGED_OPS_STAGE_BELOW; staged blocks of at least PAGED_OPS_STAGE_MIN tokens. Block
+    // sizes above W measured slower staged (24 and 48 on avx512_bf16: 0.78-1.12x).
+    const bool fast = fast_pv || half_pv || dot_pv || amx;
+    if ((!fast && cache_bs < W) || cache_bs < PAGED_OPS_STAGE_BELOW) {
+      stage = stage_shape(cache_bs, PAGED_OPS_STAGE_MIN);
+      if (stage.per > 0) {
+        bs = stage.size;
+        derive(P, rows_max);
+      }
+    }
+    // Staged keys, values read in place by pv_tiny (decode: multi-token items isolate
+    // non-finite values in staged copies; not on AMX tiles).
+    tiny_pv = staged() && cache_bs < W && D * cache_bs % W == 0 &&
+              P.query_start_loc == nullptr && !amx;
+    if (tiny_pv) {
+      fast_pv = half_pv = dot_pv = false;
+      lane_acc = true;
+      acc_lanes = cache_bs;
+      acc_len = D * acc_lanes;
+      tiny_period = cache_bs / std::gcd(cache_bs, W);
+      for (int64_t q = 0; q < tiny_period; ++q)
+        for (int64_t i = 0; i < W; ++i)
+          tiny_idx[q * W + i] = static_cast<int32_t>((q * W + i) % cache_bs);
+    }
+  }
+
+  bool staged() const { return stage.per > 0; }
+  // Block sizes below W, staged: p.v by pv_tiny on the cache's V blocks, not staged copies;
+  // its probability patterns repeat every tiny_period vectors, lane i of pattern q holding
+  // token tiny_idx[q * W + i] (tiny_patterns).
+  bool tiny_pv = false;
+  int64_t tiny_period = 1;
+  int32_t tiny_idx[W * W] = {};
+
+  // Everything that follows from the block size read (bs).
+  void derive(const AttentionParams& P, int64_t rows_max) {
     num_chunks = D / x;
     chunk_elems = bs * x;
     raw_row = round_up(chunk_elems, W);
@@ -235,6 +284,10 @@ struct GroupBlocks {
   int64_t t0[kGroup], t1[kGroup];  // offsets of block k visible to some row of the item
   int64_t a0[kGroup], a1[kGroup];  // offsets of block k visible to every row (may be empty)
   bool isolated[kGroup];  // block k holds non-finite values in [t0, t1) outside [a0, a1)
+  bool clean[kGroup];  // block k is staged: zero outside [t0, t1) already
+  // Staged blocks: the lines of the next step's cache blocks for block k's prefetch cursors,
+  // next_lines[line_begin[k], line_begin[k + 1]), its keys' lines first.
+  int64_t line_begin[kGroup + 1];
 };
 
 // The work of one thread on its items: the per-item state lives in the thread's Scratch.
@@ -250,6 +303,14 @@ struct ItemWorker {
   const CT* const vc;
   ItemInfo it{};
   int64_t R = 0;  // query rows of one kv head of the item
+  // Staged blocks: it.b_last is the item's last staged block, counted from it.b_first (staged
+  // block b starts at cache block real_first(b)), and real_last its last cache block.
+  int64_t real_last = -1;
+  // pv_tiny's V blocks of the group step (stage_group): those some row sees, in place or
+  // through copies with hidden columns zeroed, and their offsets in the probability rows.
+  const CT* tiny_v[kGroup * kMaxStagePer];
+  int64_t tiny_off[kGroup * kMaxStagePer];
+  int64_t tiny_n = 0;
   // The key lines of the next blocks that p.v prefetches (the rest after q.k's share), one
   // cursor per block of the group: 16-bit caches on the 16-lane builds (see logits).
   static constexpr bool kSplitKeyPrefetch = sizeof(CT) == 2 && W == 16;
@@ -293,13 +354,36 @@ struct ItemWorker {
     scratch.row_P.resize(R_max);
     scratch.row_lo.resize(R_max);
     if (kScanNan) scratch.k_nan.resize(kGroup * layout.bs);
+    if (layout.staged()) {
+      const int64_t bytes = kGroup * layout.D * layout.bs * static_cast<int64_t>(sizeof(CT));
+      grow(scratch.kstage, bytes);
+      if (!layout.tiny_pv) grow(scratch.vstage, bytes);
+      // Lines of kGroup * per cache blocks, keys and values, each run one line more where
+      // it does not start a line.
+      const int64_t run = layout.D * layout.cache_bs * static_cast<int64_t>(sizeof(CT));
+      grow(scratch.next_lines, kGroup * layout.stage.per * 2 * (run / 64 + 2));
+      if (layout.tiny_pv)
+        grow(scratch.tiny_pat, kGroup * layout.stage.per * 4 * layout.tiny_period * W);
+    }
+  }
+
+  // Staged blocks (Layout::stage): the first cache block of staged block b, its first token's
+  // position and its tokens (the item's last staged block may hold fewer cache blocks). Not
+  // staged: block b itself.
+  int64_t real_first(int64_t b) const {
+    return layout.staged() ? it.b_first + (b - it.b_first) * layout.stage.per : b;
+  }
+  int64_t first_token(int64_t b) const { return real_first(b) * layout.cache_bs; }
+  int64_t block_tokens(int64_t b) const {
+    if (!layout.staged()) return layout.bs;
+    return std::min(layout.stage.per, real_last - real_first(b) + 1) * layout.cache_bs;
   }
 
   // K and V of blocks [b, b + n) of sequence s, kv head kvh, through the block table.
   void blocks(int64_t s, int64_t kvh, int64_t b, int64_t n, const CT** k_out,
               const CT** v_out) const {
     const int32_t* table = P.block_tables + s * P.bt_stride_seq;
-    const int64_t head = kvh * (layout.D * layout.bs);
+    const int64_t head = kvh * (layout.D * layout.cache_bs);
     for (int64_t k = 0; k < n; ++k) {
       const int64_t col = PAGED_OPS_PHASE_ARITH ? (b + k) % 2 : b + k;
       const int64_t blk = table[col * P.bt_stride_col];
@@ -333,6 +417,9 @@ struct ItemWorker {
   // across lanes for q.k), empty softmax states.
   void start(const ItemInfo& info) {
     it = info;
+    real_last = it.b_last;
+    if (layout.staged() && it.b_first <= it.b_last)
+      it.b_last = it.b_first + (it.b_last - it.b_first) / layout.stage.per;
     scratch.v_poison.clear();
     const int64_t G = layout.G, D = layout.D, q_repeat = layout.q_repeat;
     const int64_t num_chunks = layout.num_chunks;
@@ -395,6 +482,7 @@ struct ItemWorker {
   // Steps of p.v per block over all rows of a kv head (k_rest's): pv_half_tile's steps, or
   // pv_group's vector iterations.
   int64_t pv_calls() const {
+    if (layout.tiny_pv) return (R / 4 + R % 4) * pv_tiny_steps(layout.D, layout.cache_bs);
     if (layout.half_pv) return (R / 4 + R % 4) * pv_half_steps(layout.D, layout.rows_per_vector);
     if (layout.dot_pv) return (R / 4 + R % 4) * pv_dot_steps(layout.dot_accs);
     const int nv_template = static_cast<int>(std::min<int64_t>(layout.NV, 4));  // pv's NVc
@@ -416,12 +504,13 @@ struct ItemWorker {
     // row's end bound what every row sees.
     const int64_t lo_all = scratch.row_lo[R - 1], P_all = scratch.row_P[0];
     for (int64_t k = 0; k < nb; ++k) {
-      const int64_t b = b0 + k;
-      g.t0[k] = std::clamp<int64_t>(it.lo_min - b * layout.bs, 0, layout.bs);
-      g.t1[k] = std::clamp<int64_t>(it.P_max + 1 - b * layout.bs, 0, layout.bs);
-      g.a0[k] = std::clamp<int64_t>(lo_all - b * layout.bs, g.t0[k], g.t1[k]);
-      g.a1[k] = std::clamp<int64_t>(P_all + 1 - b * layout.bs, g.a0[k], g.t1[k]);
+      const int64_t pos = first_token(b0 + k), n = block_tokens(b0 + k);
+      g.t0[k] = std::clamp<int64_t>(it.lo_min - pos, 0, n);
+      g.t1[k] = std::clamp<int64_t>(it.P_max + 1 - pos, 0, n);
+      g.a0[k] = std::clamp<int64_t>(lo_all - pos, g.t0[k], g.t1[k]);
+      g.a1[k] = std::clamp<int64_t>(P_all + 1 - pos, g.a0[k], g.t1[k]);
       g.isolated[k] = false;
+      g.clean[k] = layout.staged();
     }
   }
 
@@ -429,7 +518,8 @@ struct ItemWorker {
   // blocks' next kv head (the bytes that follow), after the last one the next group's first,
   // after the last group the first group of the thread's next item (next_item < end).
   void group_blocks(int64_t hl, int64_t b0, int64_t nb, int64_t next_item, int64_t end,
-                    GroupBlocks<CT>& g) const {
+                    GroupBlocks<CT>& g) {
+    if (layout.staged()) return stage_group(hl, b0, nb, next_item, end, g);
     const int64_t kvh = it.kvh + hl;
     blocks(it.s, kvh, b0, nb, g.k, g.v);
     int64_t nb_next = 0;
@@ -448,6 +538,90 @@ struct ItemWorker {
       g.k_next[k] = g.k[std::min<int64_t>(k, nb - 1)];
       g.v_next[k] = g.v[std::min<int64_t>(k, nb - 1)];
     }
+  }
+
+  // group_blocks for staged blocks: the group's cache blocks of kv head hl copied into staged
+  // blocks (stage_block), and the lines of the next step's cache blocks (as group_blocks
+  // chooses them) listed for the prefetch cursors of q.k and p.v, next staged block j in slot
+  // j % nb. The copies' own prefetches (next) point at the staged blocks: cache hits.
+  void stage_group(int64_t hl, int64_t b0, int64_t nb, int64_t next_item, int64_t end,
+                   GroupBlocks<CT>& g) {
+    const int64_t D = layout.D, cbs = layout.cache_bs, size = layout.bs, per = layout.stage.per;
+    const int64_t esize = static_cast<int64_t>(sizeof(CT));
+    const int64_t block_bytes = D * size * esize, run = D * cbs * esize;
+    const CT* rk[kMaxStagePer];
+    const CT* rv[kMaxStagePer];
+    int64_t t0[kMaxStagePer], t1[kMaxStagePer];
+    for (int64_t k = 0; k < nb; ++k) {
+      const int64_t rf = real_first(b0 + k), n = std::min(per, real_last - rf + 1);
+      blocks(it.s, it.kvh + hl, rf, n, rk, rv);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = (rf + j) * cbs;
+        t0[j] = std::clamp<int64_t>(it.lo_min - pos, 0, cbs);
+        t1[j] = std::clamp<int64_t>(it.P_max + 1 - pos, 0, cbs);
+      }
+      char* kdst = reinterpret_cast<char*>(scratch.kstage.data()) + k * block_bytes;
+      char* vdst = reinterpret_cast<char*>(scratch.vstage.data()) + k * block_bytes;
+      stage_block(reinterpret_cast<const char* const*>(rk), n, t0, t1, cbs, size,
+                  layout.num_chunks, layout.x * esize, kdst);
+      g.k[k] = g.k_next[k] = reinterpret_cast<const CT*>(kdst);
+      if (layout.tiny_pv) {
+        if (k == 0) tiny_n = 0;
+        CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
+        for (int64_t j = 0; j < n; ++j) {
+          if (t0[j] >= t1[j]) continue;  // its probabilities are 0 for every row
+          tiny_v[tiny_n] = t0[j] == 0 && t1[j] == cbs
+                               ? rv[j]
+                               : v_block_masked(rv[j], masked + tiny_n * D * cbs, D, cbs, t0[j],
+                                                t1[j]);
+          tiny_off[tiny_n++] = k * layout.block_row + j * cbs;
+        }
+        g.v[k] = g.v_next[k] = rv[0];  // read by no one but the softmax step's prefetches
+        continue;
+      }
+      stage_block(reinterpret_cast<const char* const*>(rv), n, t0, t1, cbs, size, D, esize, vdst);
+      g.v[k] = g.v_next[k] = reinterpret_cast<const CT*>(vdst);
+    }
+    for (int64_t k = nb; k < kGroup; ++k) {
+      g.k_next[k] = g.k[nb - 1];
+      g.v_next[k] = g.v[nb - 1];
+    }
+    const char** lines = scratch.next_lines.data();
+    int64_t n_lines = 0;
+    // The next step: (sequence, kv head, first cache block, cache blocks) of its staged blocks.
+    int64_t s = it.s, kvh = it.kvh + hl + 1, first = real_first(b0), last = real_last;
+    int64_t count = 0;  // staged blocks
+    if (hl + 1 < it.nh) {
+      count = nb;
+      last = std::min(last, first + nb * per - 1);
+    } else if (b0 + nb <= it.b_last) {
+      kvh = it.kvh;
+      first = real_first(b0 + nb);
+      count = std::min<int64_t>(layout.group, it.b_last - b0 - nb + 1);
+    } else if (next_item < end) {
+      const ItemInfo nx = item_info(P, plan, next_item);
+      s = nx.s;
+      kvh = nx.kvh;
+      first = nx.b_first;
+      last = nx.b_last;
+      count = nx.b_last >= nx.b_first
+                  ? std::min<int64_t>(layout.group, (nx.b_last - nx.b_first) / per + 1)
+                  : 0;
+    }
+    for (int64_t k = 0; k < nb; ++k) {
+      g.line_begin[k] = n_lines;
+      for (int64_t j = k; j < count; j += nb) {
+        const int64_t rf = first + j * per, n = std::min(per, last - rf + 1);
+        blocks(s, kvh, rf, n, rk, rv);
+        for (int64_t i = 0; i < n; ++i) n_lines = add_lines(rk[i], run, lines, n_lines);
+      }
+      for (int64_t j = k; j < count; j += nb) {
+        const int64_t rf = first + j * per, n = std::min(per, last - rf + 1);
+        blocks(s, kvh, rf, n, rk, rv);
+        for (int64_t i = 0; i < n; ++i) n_lines = add_lines(rv[i], run, lines, n_lines);
+      }
+    }
+    g.line_begin[nb] = n_lines;
   }
 
   // Whether key block k of the group holds an e4m3 NaN in a token some row sees; if so,
@@ -474,7 +648,7 @@ struct ItemWorker {
   // probability that is 0 (NaN) or not (the infinity).
   void add_nonfinite(int64_t hl, const GroupBlocks<CT>& g, int64_t k, int64_t d, int64_t t,
                      float v) {
-    const int64_t pos = (g.b0 + k) * layout.bs + t;
+    const int64_t pos = first_token(g.b0 + k) + t;
     for (int64_t r = 0; r < R; ++r) {
       if (pos < scratch.row_lo[r] || pos > scratch.row_P[r]) continue;
       const float p = scratch.p[r * layout.group_row + k * layout.block_row + t];
@@ -486,6 +660,19 @@ struct ItemWorker {
   // The e4m3 NaNs of the group's value blocks at positions some row sees (add_nonfinite).
   void scan_values(int64_t hl, int64_t nb, const GroupBlocks<CT>& g) {
     const int64_t bs = layout.bs, D = layout.D;
+    if (layout.tiny_pv) {  // the cache's blocks pv_tiny reads (hidden columns zeroed)
+      const int64_t cbs = layout.cache_bs;
+      for (int64_t i = 0; i < tiny_n; ++i) {
+        const uint8_t* vb = reinterpret_cast<const uint8_t*>(tiny_v[i]);
+        if (!e4m3_has_nan(vb, D * cbs)) continue;
+        const int64_t k = tiny_off[i] / layout.block_row, t0 = tiny_off[i] % layout.block_row;
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t t = 0; t < cbs; ++t)
+            if (is_e4m3_nan(vb[d * cbs + t]))
+              add_nonfinite(hl, g, k, d, t0 + t, std::numeric_limits<float>::quiet_NaN());
+      }
+      return;
+    }
     for (int64_t k = 0; k < nb; ++k) {
       const uint8_t* vb = reinterpret_cast<const uint8_t*>(g.v[k]);
       if (!e4m3_has_nan(vb, D * bs)) continue;
@@ -548,8 +735,10 @@ struct ItemWorker {
     // block's key lines all asked for during it wait for the core's miss buffers; the first
     // `head` bytes go out over q.k, the rest over p.v (k_rest).
     const int64_t kbytes = layout.D * bs * static_cast<int64_t>(sizeof(CT));
+    // pv_tiny prefetches the next step's V lines itself (every cache type).
     const bool split =
-        kSplitKeyPrefetch && (layout.fast_pv || layout.half_pv || layout.dot_pv) && !layout.amx;
+        (kSplitKeyPrefetch && (layout.fast_pv || layout.half_pv || layout.dot_pv) && !layout.amx) ||
+        layout.tiny_pv;
     const int64_t head = split ? kbytes / 2 / 64 * 64 : kbytes;
     const int64_t rest_steps = head < kbytes ? pv_calls() : 0;
     const int64_t sum_blocks = layout.sum_blocks;
@@ -562,9 +751,16 @@ struct ItemWorker {
                       ? PrefetchCursor(reinterpret_cast<const char*>(g.k_next[k]) + head,
                                        kbytes - head, rest_steps)
                       : PrefetchCursor();
+      if (layout.staged()) {  // the listed lines, split as above (keys first)
+        const char* const* lines = scratch.next_lines.data() + g.line_begin[k];
+        const int64_t n = g.line_begin[k + 1] - g.line_begin[k], n_head = split ? n / 2 : n;
+        pf = PrefetchCursor(lines, n_head, pf_steps);
+        k_rest[k] =
+            split ? PrefetchCursor(lines + n_head, n - n_head, pv_calls()) : PrefetchCursor();
+      }
       if (layout.amx) {
         const CT* kb = g.k[k];
-        if (g.t0[k] > 0 || g.t1[k] < bs)
+        if (!g.clean[k] && (g.t0[k] > 0 || g.t1[k] < bs))
           kb = k_block_masked(kb, reinterpret_cast<CT*>(scratch.kraw.data()), num_chunks, bs,
                               layout.x, g.t0[k], g.t1[k]);
         if constexpr (std::is_same_v<CT, c10::BFloat16>) {
@@ -622,10 +818,11 @@ struct ItemWorker {
     const int64_t bs = layout.bs, block_row = layout.block_row;
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const int64_t h0 = (it.kvh + hl) * layout.G;
+    const int64_t pos = first_token(b), n = block_tokens(b);
     for (int64_t r = 0; r < R; ++r) {
       float* pr = scratch.p.data() + r * layout.group_row + k * block_row;
-      const int64_t t0 = std::clamp<int64_t>(scratch.row_lo[r] - b * bs, 0, bs);
-      const int64_t t1 = std::clamp<int64_t>(scratch.row_P[r] + 1 - b * bs, 0, bs);
+      const int64_t t0 = std::clamp<int64_t>(scratch.row_lo[r] - pos, 0, n);
+      const int64_t t1 = std::clamp<int64_t>(scratch.row_P[r] + 1 - pos, 0, n);
       if (t0 >= t1) {  // nothing of this block is visible to this row
         std::fill(pr, pr + block_row, neg_inf);
         continue;
@@ -646,7 +843,7 @@ struct ItemWorker {
           }
           float v = pr[t];
           if (P.logits_soft_cap > 0.f) v = P.logits_soft_cap * std::tanh(v / P.logits_soft_cap);
-          if (P.alibi_slopes) v += slope * static_cast<float>(b * bs + t - scratch.row_P[r]);
+          if (P.alibi_slopes) v += slope * static_cast<float>(pos + t - scratch.row_P[r]);
           pr[t] = v;
         }
       }
@@ -715,7 +912,7 @@ struct ItemWorker {
     auto in_own_type = [&](const CT** src) {
       CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
       for (int64_t k = 0; k < nb; ++k) {
-        if (g.t0[k] == 0 && g.t1[k] == bs && !g.isolated[k]) {
+        if ((g.clean[k] || (g.t0[k] == 0 && g.t1[k] == bs)) && !g.isolated[k]) {
           src[k] = g.v[k];
           continue;
         }
@@ -735,6 +932,29 @@ struct ItemWorker {
         amx_pv_group(src, nb, bs, D, scratch.pvnni.data(), scratch.amx_o.data() + hl * D * 16,
                      alpha, first, scratch.cbuf.data(), g.v_next);
       }
+      return;
+    }
+    if (layout.tiny_pv) {
+      const int64_t Pv = layout.tiny_period;
+      float* const pat = scratch.tiny_pat.data();
+      int64_t r_tile = 0;
+      auto tiles = [&](auto h) {
+        constexpr int H = decltype(h)::value;
+        const float* const pp = scratch.p.data();
+        auto tile = [&](auto rt) {
+          constexpr int RT = decltype(rt)::value;
+          const float* const pr = pp + r_tile * group_row;
+          if constexpr (H == 0)
+            tiny_patterns<RT>(pr, group_row, tiny_off, tiny_n, Pv, layout.tiny_idx, pat);
+          pv_tiny<RT, H, true>(tiny_v, tiny_off, tiny_n, pr, group_row, pat, Pv, layout.cache_bs,
+                                            acc_h + r_tile * acc_row, acc_row, D, k_rest, nb);
+        };
+        for (r_tile = 0; r_tile + 4 <= R; r_tile += 4) tile(std::integral_constant<int, 4>{});
+        for (; r_tile < R; ++r_tile) tile(std::integral_constant<int, 1>{});
+      };
+      if (layout.cache_bs == 1) tiles(std::integral_constant<int, 1>{});
+      else if (layout.cache_bs == 2) tiles(std::integral_constant<int, 2>{});
+      else tiles(std::integral_constant<int, 0>{});
       return;
     }
     if (layout.dot_pv) {
@@ -852,8 +1072,16 @@ struct ItemWorker {
       } else {
         for (int64_t r = 0; r < R; ++r) {
           const float* acc = scratch.acc.data() + (hl * R + r) * layout.acc_row;
-          if (layout.acc_lanes < W) sum_lane_groups(acc, layout.acc_lanes, D, o_h + r * D);
-          else reduce_acc(acc, o_h + r * D, D);
+          float* const o = o_h + r * D;
+          const int64_t lanes = layout.acc_lanes;
+          if (layout.tiny_pv) {  // any number of lanes per row d
+            for (int64_t d = 0; d < D; ++d) {
+              float sum = 0.f;
+              for (int64_t t = 0; t < lanes; ++t) sum += acc[d * lanes + t];
+              o[d] = sum;
+            }
+          } else if (lanes < W) sum_lane_groups(acc, lanes, D, o);
+          else reduce_acc(acc, o, D);
         }
       }
       for (const ValuePoison& v : scratch.v_poison)

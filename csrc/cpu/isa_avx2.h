@@ -8,6 +8,7 @@
 #include <c10/util/Float8_e5m2.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cpu/fp8.h"
@@ -97,6 +98,28 @@ inline void split_pairs(float* p) {
 // ---- registers and lane sums --------------------------------------------------------------
 
 // An empty asm that claims to change the vector: the compiler must keep it in a register.
+// permute_lanes (isa_portable.h): vpermps.
+C10_ALWAYS_INLINE VecF permute_lanes(const VecF& v, const int32_t* idx) {
+  const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx));
+  return VecF(_mm256_permutevar8x32_ps(v, i));
+}
+
+// repeat_lanes (isa_portable.h) by one broadcast load.
+template <int H>
+C10_ALWAYS_INLINE VecF repeat_lanes(const float* p) {
+  if constexpr (H == 1) {
+    return VecF(_mm256_set1_ps(*p));
+  } else if constexpr (H == 2) {
+    double d;
+    std::memcpy(&d, p, sizeof(d));
+    return VecF(_mm256_castpd_ps(_mm256_set1_pd(d)));
+  } else if constexpr (H == 4) {
+    return VecF(_mm256_broadcast_ps(reinterpret_cast<const __m128*>(p)));
+  } else {
+    return VecF::loadu(p);
+  }
+}
+
 inline VecF in_register(VecF v) {
   __m256 r = v;
   asm("" : "+x"(r));

@@ -9,6 +9,7 @@
 #include <c10/util/Float8_e5m2.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cpu/fp8.h"
@@ -187,6 +188,30 @@ C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t 
 // ---- registers ----------------------------------------------------------------------------
 
 // An empty asm that claims to change the vector: the compiler must keep it in a register.
+// permute_lanes (isa_portable.h): vpermps.
+C10_ALWAYS_INLINE VecF permute_lanes(const VecF& v, const int32_t* idx) {
+  return VecF(_mm512_permutexvar_ps(_mm512_loadu_si512(idx), v));
+}
+
+// repeat_lanes (isa_portable.h) by one broadcast load.
+template <int H>
+C10_ALWAYS_INLINE VecF repeat_lanes(const float* p) {
+  if constexpr (H == 1) {
+    return VecF(_mm512_set1_ps(*p));
+  } else if constexpr (H == 2) {
+    double d;
+    std::memcpy(&d, p, sizeof(d));
+    return VecF(_mm512_castpd_ps(_mm512_set1_pd(d)));
+  } else if constexpr (H == 4) {
+    return VecF(_mm512_broadcast_f32x4(_mm_loadu_ps(p)));
+  } else if constexpr (H == 8) {
+    const __m256d half = _mm256_loadu_pd(reinterpret_cast<const double*>(p));
+    return VecF(_mm512_castpd_ps(_mm512_broadcast_f64x4(half)));
+  } else {
+    return VecF::loadu(p);
+  }
+}
+
 inline VecF in_register(VecF v) {
   __m512 r = v;
   asm("" : "+v"(r));

@@ -116,6 +116,29 @@ inline BF16Pairs pairs_in_register(const BF16Pairs& v) { return v; }
 // uses it (one load per use would then bound the loop). Portable: the vector itself.
 inline VecF in_register(VecF v) { return v; }
 
+// Lane i of the result: lane idx[i] of v (idx: W indices < W). For pv_tiny's patterns.
+// Portable: through memory.
+C10_ALWAYS_INLINE VecF permute_lanes(const VecF& v, const int32_t* idx) {
+  alignas(64) float a[W], t[W];
+  v.store(a);
+  for (int64_t i = 0; i < W; ++i) t[i] = a[idx[i]];
+  return VecF::loadu(t);
+}
+
+// The H floats at p repeated across the lanes (lane i: p[i % H]; H divides W): the
+// probabilities of a block of H tokens against a vector of W / H V rows (pv_tiny). Portable:
+// through memory.
+template <int H>
+C10_ALWAYS_INLINE VecF repeat_lanes(const float* p) {
+  if constexpr (H == 1) {
+    return VecF(*p);
+  } else {
+    alignas(64) float t[W];
+    for (int64_t i = 0; i < W; ++i) t[i] = p[i % H];
+    return VecF::loadu(t);
+  }
+}
+
 // Lane k of the result = horizontal sum of r[k], for k < W.
 inline VecF reduce_rows(const VecF* r) {
   float out[W];

@@ -241,6 +241,12 @@ inline void pv_row_any(const float* const* vb, int64_t nb, const float* p, int64
 // blocks (next[k]; each line once, in the step whose rows it starts in), and k_rest[k] (KREST)
 // steps once per block and step: without them the core's miss buffers sat idle through p.v and
 // the V loads missed (62% of pv's samples on the V load).
+// pv_tiny's V vectors per step (RT * kTinySteps accumulators), and its steps over D rows.
+constexpr int kTinySteps = 4;
+inline int64_t pv_tiny_steps(int64_t D, int64_t bs) {
+  const int64_t nvec = D * bs / W;
+  return nvec / kTinySteps + nvec % kTinySteps;
+}
 constexpr int kHalfPairsPerStep = 2;  // pv_half_tile's V vectors per step
 // pv_half_tile's steps of a pass over D rows (each block's k_rest steps once per step).
 inline int64_t pv_half_steps(int64_t D, int64_t rpv) { return D / (rpv * kHalfPairsPerStep); }
@@ -285,6 +291,69 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
       a.store(acc + r * acc_stride + d / RPV * W);
     }
   }
+}
+
+// p . v straight from the cache's V blocks at block sizes bs < W (Layout::tiny_pv, whose keys
+// are staged): a [D][bs] block is D * bs contiguous values, and lane i of its vector a sums row
+// (a W + i) / bs against the probability of token (a W + i) % bs. The accumulators are the
+// rows' acc as it is (D * bs floats: bs lanes per row d), summed at the end of the item
+// (Layout::acc_lanes). Where bs divides W (H = bs: 1, 2) that probability pattern is the same
+// for every vector, one broadcast load (repeat_lanes); else (H = 0) it repeats every Pv vectors
+// and tiny_patterns lays the Pv patterns of each block and row out in pat first. src[j]: the n
+// blocks some row sees (hidden columns zeroed), row r's probabilities at p + r * p_stride +
+// off[j]. Staged, such V blocks cost two moves per row d and block, more than their p.v.
+// k_rest (KREST): the nrest cursors of the next step's lines, one step each per step.
+template <int RT>
+inline void tiny_patterns(const float* p, int64_t p_stride, const int64_t* off, int64_t n,
+                          int64_t Pv, const int32_t* idx, float* pat) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int r = 0; r < RT; ++r) {
+      const float* pr = p + r * p_stride + off[j];
+      float* out = pat + (j * RT + r) * Pv * W;
+      const VecF pj = VecF::loadu(pr);  // bs < W of them, and the row's slack
+      for (int64_t q = 0; q < Pv; ++q) permute_lanes(pj, idx + q * W).store(out + q * W);
+    }
+}
+template <int RT, int H, bool KREST, typename VT>
+inline void pv_tiny(const VT* const* src, const int64_t* off, int64_t n, const float* p,
+                    int64_t p_stride, const float* pat, int64_t Pv, int64_t bs, float* acc,
+                    int64_t acc_stride, int64_t D, PrefetchCursor* k_rest, int64_t nrest) {
+  static_assert(H == 0 || W % H == 0);
+  const int64_t nvec = D * bs / W;
+  auto step = [&](int64_t a0, auto dt_c) {
+    constexpr int DT = decltype(dt_c)::value;
+    VecF a[RT][DT];
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DT; ++u) a[r][u] = VecF::loadu(acc + r * acc_stride + (a0 + u) * W);
+    int64_t res[DT];  // each vector's pattern
+    for (int u = 0; u < DT; ++u) res[u] = H > 0 ? 0 : (a0 + u) % Pv * W;
+    if constexpr (KREST)
+      for (int64_t s = 0; s < nrest; ++s) k_rest[s].step();
+    for (int64_t j = 0; j < n; ++j) {
+      VecF v[DT];
+      if constexpr (DT % 2 == 0) {
+        for (int u = 0; u < DT; u += 2) load2_f32(src[j] + (a0 + u) * W, v[u], v[u + 1]);
+      } else {
+        for (int u = 0; u < DT; ++u) v[u] = load_f32(src[j] + (a0 + u) * W);
+      }
+      for (int r = 0; r < RT; ++r) {
+        if constexpr (H > 0) {
+          const VecF pr = repeat_lanes<H>(p + r * p_stride + off[j]);
+          for (int u = 0; u < DT; ++u) a[r][u] = at::vec::fmadd(v[u], pr, a[r][u]);
+        } else {
+          const float* pj = pat + (j * RT + r) * Pv * W;
+          for (int u = 0; u < DT; ++u)
+            a[r][u] = at::vec::fmadd(v[u], VecF::loadu(pj + res[u]), a[r][u]);
+        }
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DT; ++u) a[r][u].store(acc + r * acc_stride + (a0 + u) * W);
+  };
+  int64_t a = 0;
+  for (; a + kTinySteps <= nvec; a += kTinySteps)
+    step(a, std::integral_constant<int, kTinySteps>{});
+  for (; a < nvec; ++a) step(a, std::integral_constant<int, 1>{});
 }
 
 // p . v by bf16 pair dot products (Layout::dot_pv, block sizes W / 2 and W) for a tile of RT
