@@ -78,7 +78,7 @@ def test_every_block_size(dtype, block_size, heads, head_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 12, 24])
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 12, 24, 48])
 @pytest.mark.parametrize("head_size", [64, 68])
 def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
     # Block sizes that divide the vector width share vectors of a group's logits (dense rows,
@@ -86,7 +86,8 @@ def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
     # a p.v vector (head size 68: a last step of fewer rows); the others pad each block's row
     # to whole vectors. Below the vector width without a path of their own (1, 3, 5; 2 and 12
     # on 16 lanes), blocks are staged (csrc/cpu/staging.h): with head size 68 their values
-    # too, else p.v reads the cache's values (pv_tiny).
+    # too, else p.v reads the cache's values (pv_tiny). Three vectors per V row (48 on 16
+    # lanes, 24 on 8) take the tiled p.v path.
     if head_size % cache_x(dtype):
         pytest.skip("head size not a multiple of x")
     bs = block_size

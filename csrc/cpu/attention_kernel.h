@@ -245,7 +245,7 @@ struct Layout {
     q_repeat = fp8_tables ? 4 * W : dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
     x_sum = fp8_tables ? 4 : dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
-    fast_pv = bs % W == 0 && (NV == 1 || NV == 2 || NV % 4 == 0);
+    fast_pv = bs % W == 0 && (NV <= 3 || NV % 4 == 0);
     rows_per_vector = 2 * bs == W ? 2 : 4 * bs == W && bs >= 4 ? 4 : 0;
     half_pv = rows_per_vector > 0 && D % rows_per_vector == 0;
     lane_acc = !fast_pv || kLaneAcc;
@@ -1034,6 +1034,7 @@ struct ItemWorker {
     auto dispatch = [&](auto src) {
       if (layout.NV == 1) run(std::integral_constant<int, 1>{}, src);
       else if (layout.NV == 2) run(std::integral_constant<int, 2>{}, src);
+      else if (layout.NV == 3) run(std::integral_constant<int, 3>{}, src);
       else run(std::integral_constant<int, 4>{}, src);
     };
     if (std::is_same_v<CT, float> || R <= 4) {

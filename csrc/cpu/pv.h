@@ -49,8 +49,8 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // next[k]: the blocks to prefetch; k_rest[k] (KREST): the next blocks' key lines q.k left for
 // p.v, one step per vector iteration of block k. init: an item's first group (o and acc are
 // written, not read). NB > 0: a full group of NB blocks, unrolled (pointers stay in
-// registers); NB = 0: nb. NV = 4: any multiple of 4 vectors per V row (nv_in of them, block
-// sizes 4 W and up), in steps of 4.
+// registers); NB = 0: nb. NV = 1, 2, 3: that many vectors per V row; NV = 4: any multiple of 4
+// (nv_in of them, block sizes 4 W and up), in steps of 4.
 constexpr bool kLaneAcc = W == 16;
 // V rows per pv_group step, and the steps of a pass over D rows (as pv_group takes them).
 // Where 32 vector registers hold them (16 lanes), 4 rows: 16 accumulators for a tile of 4
@@ -128,7 +128,7 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
         // avx512_bf16: block size 32 1.06-1.12x, 64-256 0.99-1.06x. (8 lanes: 16 registers
         // do not hold twice the V vectors of a step.) A loop of its own: folded into the one
         // below (vectors per load as a parameter), the 16-bit caches measured 0.91-0.94x.
-        if constexpr (W == 16 && NV >= 2 && is_fp8_v<VT> && kDecodeFp8) {
+        if constexpr (W == 16 && NV % 2 == 0 && is_fp8_v<VT> && kDecodeFp8) {
           for (int i = static_cast<int>(i0); i < i0 + NV; i += 2) {
             if constexpr (KREST) k_rest[k].step();
             if (paced) vpf.step();

@@ -1,10 +1,11 @@
-// Staged blocks: block sizes that none of the fast q.k and p.v paths takes (1, 2, 3, 12, 24,
-// 48, ...: not a multiple of the vector width with 1, 2 or 4k vectors per V row, nor W / 2 or
-// W / 4) are read through copies. Each group step copies `per` consecutive cache blocks of one
-// kv head into a staged block of `size` tokens (a block size the fast paths take), in the
-// cache's own layout and type: cache block j at tokens [j bs, (j + 1) bs), hidden tokens and
-// the padding up to `size` zeroed. The kernel then runs on staged blocks as on any other
-// block; positions come from the first cache block of each (ItemWorker::first_token).
+// Staged blocks: block sizes below the vector width W that none of the fast q.k and p.v paths
+// takes (1, 2, 3, 5, 12, ...: not W / 2 or W / 4) are read through copies. Each group step
+// copies `per` consecutive cache blocks of one kv head into a staged block of `size` tokens (a
+// block size the fast paths take), in the cache's own layout and type: cache block j at
+// tokens [j bs, (j + 1) bs), hidden tokens and the padding up to `size` zeroed. The kernel
+// then runs on staged blocks as on any other block; positions come from the first cache
+// block of each (ItemWorker::first_token). Values are copied only where pv_tiny cannot read
+// them in place (pv.h).
 //
 // At block size 1 a group of 4 blocks is 4 tokens: one softmax step per 4 tokens, V rows of
 // one element each, and a partial vector for every q.k chunk. Staged, a group step is 64
