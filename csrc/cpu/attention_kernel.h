@@ -196,9 +196,12 @@ struct Layout {
     derive(P, rows_max);
     // Block sizes below W that no fast p.v path takes (pv_row_any's) are staged, as are those
     // below PAGED_OPS_STAGE_BELOW; staged blocks of at least PAGED_OPS_STAGE_MIN tokens. Block
-    // sizes above W measured slower staged (24 and 48 on avx512_bf16: 0.78-1.12x).
+    // sizes above W measured slower staged (24 and 48 on avx512_bf16: 0.78-1.12x). W / 4 on
+    // 16 lanes (pv_half_tile's) staged: 16-bit caches 1.01-1.12x, fp8 1.08-1.22x, fp32
+    // 0.89-0.95x; on 8 lanes (W / 2) 0.60-0.92x.
     const bool fast = fast_pv || half_pv || dot_pv || amx;
-    if ((!fast && cache_bs < W) || cache_bs < PAGED_OPS_STAGE_BELOW) {
+    const bool quarter = W == 16 && 4 * cache_bs == W && sizeof(CT) < 4 && !amx;
+    if ((!fast && cache_bs < W) || cache_bs < PAGED_OPS_STAGE_BELOW || quarter) {
       stage = stage_shape(cache_bs, PAGED_OPS_STAGE_MIN);
       if (stage.per > 0) {
         bs = stage.size;
@@ -954,6 +957,7 @@ struct ItemWorker {
       };
       if (layout.cache_bs == 1) tiles(std::integral_constant<int, 1>{});
       else if (layout.cache_bs == 2) tiles(std::integral_constant<int, 2>{});
+      else if (layout.cache_bs == 4) tiles(std::integral_constant<int, 4>{});
       else tiles(std::integral_constant<int, 0>{});
       return;
     }

@@ -297,9 +297,9 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
 // are staged): a [D][bs] block is D * bs contiguous values, and lane i of its vector a sums row
 // (a W + i) / bs against the probability of token (a W + i) % bs. The accumulators are the
 // rows' acc as it is (D * bs floats: bs lanes per row d), summed at the end of the item
-// (Layout::acc_lanes). Where bs divides W (H = bs: 1, 2) that probability pattern is the same
-// for every vector, one broadcast load (repeat_lanes); else (H = 0) it repeats every Pv vectors
-// and tiny_patterns lays the Pv patterns of each block and row out in pat first. src[j]: the n
+// (Layout::acc_lanes). Where bs divides W (H = bs: 1, 2, 4) that probability pattern is the
+// same for every vector, one broadcast load (repeat_lanes); else (H = 0) it repeats every Pv
+// vectors and tiny_patterns lays the Pv patterns of each block and row out in pat first. src[j]: the n
 // blocks some row sees (hidden columns zeroed), row r's probabilities at p + r * p_stride +
 // off[j]. Staged, such V blocks cost two moves per row d and block, more than their p.v.
 // k_rest (KREST): the nrest cursors of the next step's lines, one step each per step.
