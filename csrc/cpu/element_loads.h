@@ -131,8 +131,15 @@ struct PrefetchCursor {
     last = (lines - 1) << 16;
   }
   void step() {
+    if (list != nullptr) [[unlikely]] {
+      for (int i = 0; i < per_call; ++i) {
+        prefetch_l2(list[pos >> 16]);
+        pos = std::min(pos + inc, last);
+      }
+      return;
+    }
     for (int i = 0; i < per_call; ++i) {
-      prefetch_l2(list != nullptr ? list[pos >> 16] : base + ((pos >> 16) << 6));
+      prefetch_l2(base + ((pos >> 16) << 6));
       pos = std::min(pos + inc, last);
     }
   }
