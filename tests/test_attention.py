@@ -78,7 +78,7 @@ def test_every_block_size(dtype, block_size, heads, head_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 12, 24, 48])
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 12, 24, 48, 96])
 @pytest.mark.parametrize("head_size", [64, 68])
 def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
     # Block sizes that divide the vector width share vectors of a group's logits (dense rows,

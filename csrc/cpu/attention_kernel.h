@@ -195,14 +195,18 @@ struct Layout {
         cache_bs(P.block_size) {
     derive(P, rows_max);
     // Block sizes below W that no fast p.v path takes (pv_row_any's) are staged, as are those
-    // below PAGED_OPS_STAGE_BELOW; staged blocks of at least PAGED_OPS_STAGE_MIN tokens. Block
-    // sizes above W measured slower staged (24 and 48 on avx512_bf16: 0.78-1.12x). W / 4 on
-    // 16 lanes (pv_half_tile's) staged: 16-bit caches 1.01-1.12x, fp8 1.08-1.22x, fp32
-    // 0.89-0.95x; on 8 lanes (W / 2) 0.60-0.92x.
+    // below PAGED_OPS_STAGE_BELOW; staged blocks of at least PAGED_OPS_STAGE_MIN tokens. W / 4
+    // on 16 lanes (pv_half_tile's) staged: 16-bit caches 1.01-1.12x, fp8 1.08-1.22x, fp32
+    // 0.89-0.95x; on 8 lanes (W / 2) 0.60-0.92x. Above W, pv_row_any's block sizes are staged
+    // for caches narrower than fp32 where whole blocks fill a staged one (24 in 48 on 16
+    // lanes: 1.25-1.35x, 96 in 192: 1.03-1.10x; fp32 0.85-0.94x; 40 and 80, padded:
+    // 0.91-1.02x).
     const bool fast = fast_pv || half_pv || dot_pv || amx;
     const bool quarter = W == 16 && 4 * cache_bs == W && sizeof(CT) < 4 && !amx;
-    if ((!fast && cache_bs < W) || cache_bs < PAGED_OPS_STAGE_BELOW || quarter) {
+    const bool above = !fast && cache_bs > W && sizeof(CT) < 4;
+    if ((!fast && cache_bs < W) || cache_bs < PAGED_OPS_STAGE_BELOW || quarter || above) {
       stage = stage_shape(cache_bs, PAGED_OPS_STAGE_MIN);
+      if (above && stage.per * cache_bs != stage.size) stage = {};
       if (stage.per > 0) {
         bs = stage.size;
         derive(P, rows_max);
