@@ -97,7 +97,6 @@ inline void split_pairs(float* p) {
 
 // ---- registers and lane sums --------------------------------------------------------------
 
-// An empty asm that claims to change the vector: the compiler must keep it in a register.
 // permute_lanes (isa_portable.h): vpermps.
 C10_ALWAYS_INLINE VecF permute_lanes(const VecF& v, const int32_t* idx) {
   const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx));
@@ -120,6 +119,7 @@ C10_ALWAYS_INLINE VecF repeat_lanes(const float* p) {
   }
 }
 
+// An empty asm that claims to change the vector: the compiler must keep it in a register.
 inline VecF in_register(VecF v) {
   __m256 r = v;
   asm("" : "+x"(r));

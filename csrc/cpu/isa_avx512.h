@@ -187,7 +187,6 @@ C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t 
 
 // ---- registers ----------------------------------------------------------------------------
 
-// An empty asm that claims to change the vector: the compiler must keep it in a register.
 // permute_lanes (isa_portable.h): vpermps.
 C10_ALWAYS_INLINE VecF permute_lanes(const VecF& v, const int32_t* idx) {
   return VecF(_mm512_permutexvar_ps(_mm512_loadu_si512(idx), v));
@@ -212,6 +211,7 @@ C10_ALWAYS_INLINE VecF repeat_lanes(const float* p) {
   }
 }
 
+// An empty asm that claims to change the vector: the compiler must keep it in a register.
 inline VecF in_register(VecF v) {
   __m512 r = v;
   asm("" : "+v"(r));
