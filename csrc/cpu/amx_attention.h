@@ -14,7 +14,7 @@
 //
 // The product of a NaN or Inf with the zeros of the block-diagonal operand is NaN, and a
 // hidden V column meets probability 0: blocks with hidden positions are read through copies
-// with those positions zeroed (k_block_masked, v_block_masked in pv.h).
+// with those positions zeroed (k_block_masked, v_block_masked in pv.h; both stage_block).
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -27,6 +27,7 @@
 
 #include "cpu/amx_tiles.h"
 #include "cpu/element_loads.h"
+#include "cpu/staging.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
@@ -220,13 +221,9 @@ inline void amx_pv_group(const c10::BFloat16* const* v, int64_t nb, int64_t bs, 
 template <typename T>
 inline const T* k_block_masked(const T* kblk, T* dst, int64_t num_chunks, int64_t bs,
                                int64_t x, int64_t t0, int64_t t1) {
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const T* src = kblk + c * bs * x;
-    T* out = dst + c * bs * x;
-    std::memset(static_cast<void*>(out), 0, t0 * x * sizeof(T));
-    std::memcpy(static_cast<void*>(out + t0 * x), src + t0 * x, (t1 - t0) * x * sizeof(T));
-    std::memset(static_cast<void*>(out + t1 * x), 0, (bs - t1) * x * sizeof(T));
-  }
+  const char* src = reinterpret_cast<const char*>(kblk);  // a staged block of one block
+  stage_block(&src, 1, &t0, &t1, bs, bs, num_chunks, x * static_cast<int64_t>(sizeof(T)),
+              reinterpret_cast<char*>(dst));
   return dst;
 }
 

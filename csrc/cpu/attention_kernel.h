@@ -568,7 +568,6 @@ struct ItemWorker {
         t1[j] = std::clamp<int64_t>(it.P_max + 1 - pos, 0, cbs);
       }
       char* kdst = reinterpret_cast<char*>(scratch.kstage.data()) + k * block_bytes;
-      char* vdst = reinterpret_cast<char*>(scratch.vstage.data()) + k * block_bytes;
       stage_block(reinterpret_cast<const char* const*>(rk), n, t0, t1, cbs, size,
                   layout.num_chunks, layout.x * esize, kdst);
       g.k[k] = g.k_next[k] = reinterpret_cast<const CT*>(kdst);
@@ -586,6 +585,7 @@ struct ItemWorker {
         g.v[k] = g.v_next[k] = rv[0];  // read by no one but the softmax step's prefetches
         continue;
       }
+      char* vdst = reinterpret_cast<char*>(scratch.vstage.data()) + k * block_bytes;
       stage_block(reinterpret_cast<const char* const*>(rv), n, t0, t1, cbs, size, D, esize, vdst);
       g.v[k] = g.v_next[k] = reinterpret_cast<const CT*>(vdst);
     }
@@ -615,18 +615,17 @@ struct ItemWorker {
                   ? std::min<int64_t>(layout.group, (nx.b_last - nx.b_first) / per + 1)
                   : 0;
     }
-    for (int64_t k = 0; k < nb; ++k) {
+    for (int64_t k = 0; k < nb; ++k) {  // slot k: its blocks' key lines, then value lines
       g.line_begin[k] = n_lines;
+      const CT* slot_v[kGroup * kMaxStagePer];
+      int64_t n_v = 0;
       for (int64_t j = k; j < count; j += nb) {
         const int64_t rf = first + j * per, n = std::min(per, last - rf + 1);
-        blocks(s, kvh, rf, n, rk, rv);
+        blocks(s, kvh, rf, n, rk, slot_v + n_v);
         for (int64_t i = 0; i < n; ++i) n_lines = add_lines(rk[i], run, lines, n_lines);
+        n_v += n;
       }
-      for (int64_t j = k; j < count; j += nb) {
-        const int64_t rf = first + j * per, n = std::min(per, last - rf + 1);
-        blocks(s, kvh, rf, n, rk, rv);
-        for (int64_t i = 0; i < n; ++i) n_lines = add_lines(rv[i], run, lines, n_lines);
-      }
+      for (int64_t i = 0; i < n_v; ++i) n_lines = add_lines(slot_v[i], run, lines, n_lines);
     }
     g.line_begin[nb] = n_lines;
   }
@@ -753,17 +752,19 @@ struct ItemWorker {
     for (int64_t k = 0; k < nb; ++k) {
       int64_t r = 0;
       if constexpr (kScanNan) k_nan[k] = !layout.fp8_tables && scan_keys(g, k);
-      PrefetchCursor pf(g.k_next[k], head, pf_steps);
-      k_rest[k] = head < kbytes
-                      ? PrefetchCursor(reinterpret_cast<const char*>(g.k_next[k]) + head,
-                                       kbytes - head, rest_steps)
-                      : PrefetchCursor();
+      PrefetchCursor pf;
       if (layout.staged()) {  // the listed lines, split as above (keys first)
         const char* const* lines = scratch.next_lines.data() + g.line_begin[k];
         const int64_t n = g.line_begin[k + 1] - g.line_begin[k], n_head = split ? n / 2 : n;
         pf = PrefetchCursor(lines, n_head, pf_steps);
         k_rest[k] =
             split ? PrefetchCursor(lines + n_head, n - n_head, pv_calls()) : PrefetchCursor();
+      } else {
+        pf = PrefetchCursor(g.k_next[k], head, pf_steps);
+        k_rest[k] = head < kbytes
+                        ? PrefetchCursor(reinterpret_cast<const char*>(g.k_next[k]) + head,
+                                         kbytes - head, rest_steps)
+                        : PrefetchCursor();
       }
       if (layout.amx) {
         const CT* kb = g.k[k];

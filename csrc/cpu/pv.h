@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cpu/element_loads.h"
+#include "cpu/staging.h"
 #include "cpu/work_plan.h"
 
 namespace paged::cpu {
@@ -442,12 +443,10 @@ inline void reduce_acc(const float* acc, float* out, int64_t D) {
 template <typename T>
 inline const T* v_block_masked(const T* vblk, T* dst, int64_t D, int64_t bs, int64_t t0,
                                int64_t t1) {
-  for (int64_t d = 0; d < D; ++d, vblk += bs, dst += bs) {
-    std::memset(static_cast<void*>(dst), 0, t0 * sizeof(T));
-    std::memcpy(static_cast<void*>(dst + t0), vblk + t0, (t1 - t0) * sizeof(T));
-    std::memset(static_cast<void*>(dst + t1), 0, (bs - t1) * sizeof(T));
-  }
-  return dst - D * bs;
+  const char* src = reinterpret_cast<const char*>(vblk);  // a staged block of one block
+  stage_block(&src, 1, &t0, &t1, bs, bs, D, static_cast<int64_t>(sizeof(T)),
+              reinterpret_cast<char*>(dst));
+  return dst;
 }
 
 // out[0, n) = src * s in the output type (vectorised conversion: same rounding as the scalar
