@@ -78,7 +78,7 @@ def test_every_block_size(dtype, block_size, heads, head_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 12, 24, 48, 96])
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 12, 24, 40, 48, 56, 80, 96])
 @pytest.mark.parametrize("head_size", [64, 68])
 def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
     # Block sizes that divide the vector width share vectors of a group's logits (dense rows,
@@ -87,7 +87,8 @@ def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
     # to whole vectors. Below the vector width without a path of their own (1, 3, 5; 2 and 12
     # on 16 lanes), blocks are staged (csrc/cpu/staging.h): with head size 68 their values
     # too, else p.v reads the cache's values (pv_tiny). Three vectors per V row (48 on 16
-    # lanes, 24 on 8) take the tiled p.v path.
+    # lanes, 24 on 8) take the tiled p.v path; other whole vector counts (80, 96 on 16 lanes;
+    # 40, 56 on 8) and on 16 lanes rows half a vector short (24, 40, 56) pv_group_any.
     if head_size % cache_x(dtype):
         pytest.skip("head size not a multiple of x")
     bs = block_size
@@ -437,7 +438,7 @@ def test_fp8_every_finite_key_code_decodes_exactly(fp8, block_size, q_dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 40, 80, 128])
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_stored_nan_reads_as_nan(dtype, block_size, kind):
     # A NaN stored at a visible position reaches the output as softmax(z) @ V over it does: a
@@ -463,3 +464,29 @@ def test_stored_nan_reads_as_nan(dtype, block_size, kind):
     assert torch.equal(want.isnan(), nan)
     assert torch.equal(got.isnan(), nan)
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [24, 40, 56])
+def test_half_vector_rows_keep_rows_apart(dtype, block_size):
+    # On 16 lanes, V rows of these block sizes end half a vector short: p.v reads rows d and
+    # d + 1 with vectors that straddle them and leaves the other row's lanes out. A value NaN
+    # in an even row's last tokens and one in an odd row's first tokens (where the straddling
+    # vectors read them) reach their own output element only. 6 q / 2 kv: tiles of one row.
+    bs = block_size
+    lens = [3 * bs + 5, 2 * bs + 1]
+    pg = make_paged(lens, 2, 64, bs, dtype, seed=bs)
+    set_cache_at(pg, "value", 0, 2 * bs - 1, 1, 36, float("nan"))  # row 36, last token
+    set_cache_at(pg, "value", 0, 2 * bs, 1, 41, float("nan"))  # row 41, first token
+    set_cache_at(pg, "value", 1, bs + 2, 0, 9, float("inf"))  # row 9, third token
+    q = random_query(len(lens), 6, 64, dtype, scale=2.0)
+    scale = 64 ** -0.5
+    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale).float()
+    want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                         scale).float()
+    bad = torch.zeros_like(want, dtype=torch.bool)
+    bad[0, 3:6, 36] = bad[0, 3:6, 41] = bad[1, 0:3, 9] = True
+    assert torch.equal(~want.isfinite(), bad)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got.nan_to_num(0, 0, 0), want.nan_to_num(0, 0, 0), **TOL[dtype])

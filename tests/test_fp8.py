@@ -289,7 +289,8 @@ def test_attention_matches_reference(device, cache_dtype, q_dtype, heads, head_s
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96,
+                                        128, 256])
 @pytest.mark.usefixtures("cpu_variant")
 def test_attention_every_block_size(cache_dtype, block_size):
     # Several groups of blocks and partial ones at both ends (a window), bf16 queries.

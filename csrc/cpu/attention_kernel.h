@@ -165,6 +165,9 @@ struct Layout {
   int64_t sum_blocks;
   int64_t NV;            // V row vectors in the fast PV path
   bool fast_pv;
+  // Of fast_pv, the block sizes above W whose vector count pv_group does not take, or (16
+  // lanes) that end half a vector short of one: p.v by pv_group_any (half_rows: the latter).
+  bool any_pv, half_rows;
   // Block size W / 2, or W / 4 from 4 (acc_lanes >= 4): p.v by pv_half_tile, rows_per_vector
   // V rows per vector.
   bool half_pv;
@@ -197,11 +200,12 @@ struct Layout {
     // Block sizes below W that no fast p.v path takes (pv_row_any's) are staged, as are those
     // below PAGED_OPS_STAGE_BELOW; staged blocks of at least PAGED_OPS_STAGE_MIN tokens. W / 4
     // on 16 lanes (pv_half_tile's) staged: 16-bit caches 1.01-1.12x, fp8 1.08-1.22x, fp32
-    // 0.89-0.95x; on 8 lanes (W / 2) 0.60-0.92x. Above W, pv_row_any's block sizes are staged
-    // for caches narrower than fp32 where whole blocks fill a staged one (24 in 48 on 16
-    // lanes: 1.25-1.35x, 96 in 192: 1.03-1.10x; fp32 0.85-0.94x; 40 and 80, padded:
+    // 0.89-0.95x; on 8 lanes (W / 2) 0.60-0.92x. Above W, pv_row_any's block sizes and
+    // pv_group_any's half-vector rows are staged for caches narrower than fp32 where whole
+    // blocks fill a staged one (24 in 48 on 16 lanes: 1.25-1.35x over pv_row_any, over
+    // pv_group_any fp8 1.12-1.15x, 16-bit 0.93-1.00x; fp32 0.85-0.94x; 40 and 80, padded:
     // 0.91-1.02x).
-    const bool fast = fast_pv || half_pv || dot_pv || amx;
+    const bool fast = (fast_pv && !half_rows) || half_pv || dot_pv || amx;
     const bool quarter = W == 16 && 4 * cache_bs == W && sizeof(CT) < 4 && !amx;
     const bool above = !fast && cache_bs > W && sizeof(CT) < 4;
     if ((!fast && cache_bs < W) || cache_bs < PAGED_OPS_STAGE_BELOW || quarter || above) {
@@ -253,6 +257,12 @@ struct Layout {
     x_sum = fp8_tables ? 4 : dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
     fast_pv = bs % W == 0 && (NV <= 3 || NV % 4 == 0);
+    any_pv = !fast_pv && bs > W && D % 2 == 0 && (bs % W == 0 || (W == 16 && 2 * bs % W == 0));
+    half_rows = any_pv && bs % W != 0;
+    if (any_pv) {
+      fast_pv = true;
+      NV = (bs + W - 1) / W;
+    }
     rows_per_vector = 2 * bs == W ? 2 : 4 * bs == W && bs >= 4 ? 4 : 0;
     half_pv = rows_per_vector > 0 && D % rows_per_vector == 0;
     lane_acc = !fast_pv || kLaneAcc;
@@ -492,6 +502,7 @@ struct ItemWorker {
     if (layout.tiny_pv) return (R / 4 + R % 4) * pv_tiny_steps(layout.D, layout.cache_bs);
     if (layout.half_pv) return (R / 4 + R % 4) * pv_half_steps(layout.D, layout.rows_per_vector);
     if (layout.dot_pv) return (R / 4 + R % 4) * pv_dot_steps(layout.dot_accs);
+    if (layout.any_pv) return (R / 4 + R % 4) * pv_any_steps(layout.D) * layout.NV;
     const int nv_template = static_cast<int>(std::min<int64_t>(layout.NV, 4));  // pv's NVc
     return (R / 4 + R % 4) * pv_steps(nv_template, layout.D) * layout.NV;
   }
@@ -1040,14 +1051,41 @@ struct ItemWorker {
             src, nb, layout.NV, pp + r2 * group_row, group_row, ot + r2 * D, al + r2, acc(r2),
             acc_row, D, g.v_next, vrow_bytes, first, last, k_rest);
     };
+    auto run_any = [&](auto half, auto src) {
+      constexpr bool HALF = decltype(half)::value;
+      const float* pp = scratch.p.data();
+      float* const ot = scratch.ot.data() + hl * R * D;
+      const float* const al = scratch.alpha.data() + hl * R;
+      auto acc = [&](int64_t r) { return acc_h ? acc_h + r * acc_row : nullptr; };
+      int64_t r2 = 0;
+      for (; r2 + 4 <= R; r2 += 4)
+        pv_group_any<4, HALF, kSplitKeyPrefetch>(
+            src, nb, layout.NV, bs, pp + r2 * group_row, group_row, layout.block_row,
+            ot + r2 * D, al + r2, acc(r2), acc_row, D, g.v_next, vrow_bytes, first, last, k_rest);
+      for (; r2 < R; ++r2)
+        pv_group_any<1, HALF, kSplitKeyPrefetch>(
+            src, nb, layout.NV, bs, pp + r2 * group_row, group_row, layout.block_row,
+            ot + r2 * D, al + r2, acc(r2), acc_row, D, g.v_next, vrow_bytes, first, last, k_rest);
+    };
     auto dispatch = [&](auto src) {
+      if (layout.any_pv) {
+        if constexpr (W == 16) {
+          if (layout.half_rows) {
+            run_any(std::true_type{}, src);
+            return;
+          }
+        }
+        run_any(std::false_type{}, src);
+        return;
+      }
       if (layout.NV == 1) run(std::integral_constant<int, 1>{}, src);
       else if (layout.NV == 2) run(std::integral_constant<int, 2>{}, src);
       else if (layout.NV == 3) run(std::integral_constant<int, 3>{}, src);
       else run(std::integral_constant<int, 4>{}, src);
     };
     if (std::is_same_v<CT, float> || R <= 4) {
-      if (kSplitPairs<CT> && layout.NV == 2) {  // pv_group reads bf16 rows split (even, odd)
+      // pv_group reads bf16 rows split (even, odd)
+      if (kSplitPairs<CT> && layout.NV == 2 && !layout.any_pv) {
         for (int64_t r = 0; r < R; ++r)
           for (int64_t k = 0; k < nb; ++k)
             split_pairs(scratch.p.data() + r * group_row + k * layout.block_row);

@@ -22,6 +22,8 @@ static_assert(W == 8, "the AVX2 hooks are written for 8 fp32 lanes");
 // bf16 pair dot products: the portable emulation (vdpbf16ps needs AVX512-BF16).
 using portable::BF16Pairs;
 using portable::dot_pairs;
+using portable::fmadd_lanes;  // pv_group_any's straddling vectors: 16 lanes only
+using portable::load_lanes;
 using portable::load_pairs;
 using portable::pairs_in_register;
 // fp8 by byte tables: 16-lane builds only (kFp8Tables is off here).

@@ -211,6 +211,13 @@ C10_ALWAYS_INLINE VecF repeat_lanes(const float* p) {
   }
 }
 
+inline VecF fmadd_lanes(const VecF& v, const VecF& p, const VecF& a, uint32_t mask) {
+  return VecF(_mm512_mask3_fmadd_ps(v, p, a, static_cast<__mmask16>(mask)));
+}
+inline VecF load_lanes(const float* p, uint32_t mask) {
+  return VecF(_mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), p));
+}
+
 // An empty asm that claims to change the vector: the compiler must keep it in a register.
 inline VecF in_register(VecF v) {
   __m512 r = v;

@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/bit_cast.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -111,6 +112,26 @@ inline VecF dot_pairs(const VecF& acc, const BF16Pairs& a, const BF16Pairs& b) {
 }
 // The operand kept in a register (in_register for bf16 pairs); portable: as it is.
 inline BF16Pairs pairs_in_register(const BF16Pairs& v) { return v; }
+
+// a + v * p in the lanes set in mask (bit i: lane i), a as it is in the others, whatever v and
+// p hold there (NaN included): pv_group_any's vectors that straddle two V rows. And the
+// lanes of mask loaded from p, zero elsewhere (the others' addresses are not read).
+// Portable: lane by lane.
+inline VecF fmadd_lanes(const VecF& v, const VecF& p, const VecF& a, uint32_t mask) {
+  alignas(64) float vv[W], pp[W], aa[W];
+  v.store(vv);
+  p.store(pp);
+  a.store(aa);
+  for (int64_t i = 0; i < W; ++i)
+    if (mask >> i & 1) aa[i] = std::fma(vv[i], pp[i], aa[i]);
+  return VecF::loadu(aa);
+}
+inline VecF load_lanes(const float* p, uint32_t mask) {
+  alignas(64) float out[W] = {};
+  for (int64_t i = 0; i < W; ++i)
+    if (mask >> i & 1) out[i] = p[i];
+  return VecF::loadu(out);
+}
 
 // Keeps a vector in a register: stops the compiler from folding its load into every FMA that
 // uses it (one load per use would then bound the loop). Portable: the vector itself.

@@ -184,6 +184,102 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
   for (; d < D; ++d) step(d, std::integral_constant<int, 1>{});
 }
 
+// p . v where pv_group takes no V row of the block size: rows of nv whole vectors for any nv
+// (bs = nv W: 80, 96, 112, ... on 16 lanes; 40, 48, 56, ... on 8), and on 16 lanes (HALF)
+// rows of nv - 1/2 vectors (bs = (nv - 1/2) W: 24, 40, 56, ...). HALF reads the rows in
+// pairs, every vector whole: an even row d from its start, its last vector running W / 2
+// lanes into row d + 1; the odd row d + 1 from W / 2 before its start, its first vector's low
+// lanes in row d's tail, and its probabilities from W / 2 before theirs to match (the first
+// vector by a masked load: those lanes lie before the row). The lanes of the other row are
+// left out by masked FMAs (fmadd_lanes), so no value of one row reaches another's sums, a NaN
+// included. Otherwise as pv_group: a tile of RT query rows, DT rows d per step, accumulators
+// in registers over the group's blocks and in acc between groups (16 lanes), the next
+// blocks' rows prefetched, one vector per iteration (k_rest and the paced prefetches step once
+// each). Against pv_row_any (rows converted to fp32 with a partial last vector): see
+// docs/cpu_kernel.md.
+constexpr int kAnyRowsPerStep = W == 16 ? 4 : 2;
+inline int64_t pv_any_steps(int64_t D) { return D / kAnyRowsPerStep + D % kAnyRowsPerStep; }
+template <int RT, bool HALF, bool KREST, typename VT, typename NT>
+inline void pv_group_any(const VT* const* src, int64_t nb, int64_t nv, int64_t bs,
+                         const float* p, int64_t p_stride, int64_t block_row, float* o,
+                         const float* alpha, float* acc, int64_t acc_stride, int64_t D,
+                         const NT* const* next, int64_t vrow_bytes, bool init, bool last,
+                         PrefetchCursor* k_rest) {
+  static_assert(!HALF || W == 16, "half-vector rows need masked FMAs (16 lanes)");
+  constexpr int64_t kHalf = W / 2;
+  constexpr uint32_t kLow = (uint32_t{1} << kHalf) - 1, kHigh = kLow << kHalf;
+  // PAR: the parity of row d (HALF: which rows are odd); DT rows from d.
+  auto step = [&](int64_t d, auto dt_c, auto par_c) {
+    constexpr int DTc = decltype(dt_c)::value;
+    constexpr int PAR = decltype(par_c)::value;
+    auto odd = [](int u) { return HALF && ((PAR + u) & 1) != 0; };
+    VecF a[RT][DTc];
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DTc; ++u)
+        a[r][u] = !kLaneAcc || init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (d + u) * W);
+    for (int64_t k = 0; k < nb; ++k) {
+      const char* pf = reinterpret_cast<const char*>(next[k]) + d * vrow_bytes;
+      const bool paced = vrow_bytes >= kPacedRowBytes;
+      PrefetchCursor vpf = paced ? PrefetchCursor(pf, DTc * vrow_bytes, nv) : PrefetchCursor();
+      if (vrow_bytes <= 64) {
+        for (int u = 0; u < DTc; ++u) prefetch_l2(pf + u * vrow_bytes);
+      } else if (!paced) {
+        for (int64_t b = 0; b < DTc * vrow_bytes; b += 64) prefetch_l2(pf + b);
+      }
+      const VT* rows[DTc];
+      for (int u = 0; u < DTc; ++u) rows[u] = src[k] + (d + u) * bs - (odd(u) ? kHalf : 0);
+      const float* const pk = p + k * block_row;
+      // MODE 0: the first vector (HALF: the odd rows' straddles), 1: whole vectors,
+      // 2: the last (HALF: the even rows' straddles).
+      auto iteration = [&](int64_t i, auto mode_c) {
+        constexpr int MODE = decltype(mode_c)::value;
+        if constexpr (KREST) k_rest[k].step();
+        if (paced) vpf.step();
+        VecF v[DTc];
+        for (int u = 0; u < DTc; ++u) v[u] = load_f32(rows[u] + i * W);
+        for (int r = 0; r < RT; ++r) {
+          const float* pr = pk + r * p_stride + i * W;
+          const VecF pe = in_register(VecF::loadu(pr));
+          VecF po = pe;
+          if constexpr (HALF)
+            po = MODE == 0 ? load_lanes(pr - kHalf, kHigh) : in_register(VecF::loadu(pr - kHalf));
+          for (int u = 0; u < DTc; ++u) {
+            if (HALF && odd(u) && MODE == 0) {
+              a[r][u] = fmadd_lanes(v[u], po, a[r][u], kHigh);
+            } else if (HALF && !odd(u) && MODE == 2) {
+              a[r][u] = fmadd_lanes(v[u], pe, a[r][u], kLow);
+            } else {
+              a[r][u] = at::vec::fmadd(v[u], odd(u) ? po : pe, a[r][u]);
+            }
+          }
+        }
+      };
+      if constexpr (HALF) {  // nv >= 2
+        iteration(0, std::integral_constant<int, 0>{});
+        for (int64_t i = 1; i + 1 < nv; ++i) iteration(i, std::integral_constant<int, 1>{});
+        iteration(nv - 1, std::integral_constant<int, 2>{});
+      } else {
+        for (int64_t i = 0; i < nv; ++i) iteration(i, std::integral_constant<int, 1>{});
+      }
+    }
+    if (!kLaneAcc || last) {
+      tile_sums<RT, DTc>(a, o + d * RT, alpha, kLaneAcc || init);
+      return;
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < DTc; ++u) a[r][u].store(acc + r * acc_stride + (d + u) * W);
+  };
+  using Even = std::integral_constant<int, 0>;
+  using Odd = std::integral_constant<int, 1>;
+  constexpr int DT = kAnyRowsPerStep;
+  int64_t d = 0;
+  for (; d + DT <= D; d += DT) step(d, std::integral_constant<int, DT>{}, Even{});
+  for (; d < D; ++d) {  // D % DT rows (none for the head sizes a cache layout allows)
+    if (HALF && d % 2 == 1) step(d, std::integral_constant<int, 1>{}, Odd{});
+    else step(d, std::integral_constant<int, 1>{}, Even{});
+  }
+}
+
 // Rows [0, R) of o (row-major, D each) from the running sums ot of pv_group: tiles of 4 rows
 // ([D][4]), then single rows.
 inline void rows_from_tiles(const float* ot, int64_t R, int64_t D, float* o) {
@@ -198,9 +294,10 @@ inline void rows_from_tiles(const float* ot, int64_t R, int64_t D, float* o) {
 // rows, vectors over the offsets t (the last one partial where W does not divide bs, its
 // lanes past bs zero in both factors: a padded probability row holds 0 there, a dense one
 // (block_row < a whole vector) the next block's or the next row's probabilities, which may
-// be NaN for a row that sees a NaN key, and 0 * NaN would reach this row). Each row's accumulators stay in registers over the nb blocks (one acc load and
-// store per row d and group, one V load per RT FMAs): against one row and one block at a
-// time, avx512_bf16 at B=8 L=2048: block sizes 1-48 1.05-1.96x (fp16 at 48 0.93x).
+// be NaN for a row that sees a NaN key, and 0 * NaN would reach this row). Each row's
+// accumulators stay in registers over the nb blocks (one acc load and store per row d and
+// group, one V load per RT FMAs): against one row and one block at a time, avx512_bf16 at
+// B=8 L=2048: block sizes 1-48 1.05-1.96x (fp16 at 48 0.93x).
 template <int RT>
 inline void pv_row_any(const float* const* vb, int64_t nb, const float* p, int64_t p_stride,
                        int64_t block_row, float* acc, int64_t acc_stride, int64_t D,
@@ -300,10 +397,11 @@ inline void pv_half_tile(const VT* const* src, int64_t nb, const float* p, int64
 // rows' acc as it is (D * bs floats: bs lanes per row d), summed at the end of the item
 // (Layout::acc_lanes). Where bs divides W (H = bs: 1, 2, 4) that probability pattern is the
 // same for every vector, one broadcast load (repeat_lanes); else (H = 0) it repeats every Pv
-// vectors and tiny_patterns lays the Pv patterns of each block and row out in pat first. src[j]: the n
-// blocks some row sees (hidden columns zeroed), row r's probabilities at p + r * p_stride +
-// off[j]. Staged, such V blocks cost two moves per row d and block, more than their p.v.
-// k_rest (KREST): the nrest cursors of the next step's lines, one step each per step.
+// vectors and tiny_patterns lays the Pv patterns of each block and row out in pat first.
+// src[j]: the n blocks some row sees (hidden columns zeroed), row r's probabilities at
+// p + r * p_stride + off[j]. Staged, such V blocks cost two moves per row d and block, more
+// than their p.v. k_rest (KREST): the nrest cursors of the next step's lines, one step each
+// per step.
 template <int RT>
 inline void tiny_patterns(const float* p, int64_t p_stride, const int64_t* off, int64_t n,
                           int64_t Pv, const int32_t* idx, float* pat) {
