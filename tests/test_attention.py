@@ -437,6 +437,15 @@ def test_fp8_every_finite_key_code_decodes_exactly(fp8, block_size, q_dtype):
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=0)
 
 
+def _outputs(pg, q):
+    """(op output, reference output) in fp32, non-finite values allowed."""
+    scale = q.shape[-1] ** -0.5
+    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
+                                    pg.seq_lens, scale)
+    want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, scale)
+    return got.float(), want.float()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 40, 80, 128])
 @pytest.mark.parametrize("kind", ["key", "value"])
@@ -451,11 +460,7 @@ def test_stored_nan_reads_as_nan(dtype, block_size, kind):
     for s, pos in ((0, bs + 1), (1, 5 * bs + 2)):
         set_cache_at(pg, kind, s, pos, 1, 37, float("nan"))
     q = random_query(len(lens), 8, 64, dtype, scale=2.0)
-    scale = 64 ** -0.5
-    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, scale).float()
-    want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
-                         scale).float()
+    got, want = _outputs(pg, q)
     nan = torch.zeros_like(want, dtype=torch.bool)
     if kind == "key":
         nan[:, 4:8] = True
@@ -480,11 +485,7 @@ def test_half_vector_rows_keep_rows_apart(dtype, block_size):
     set_cache_at(pg, "value", 0, 2 * bs, 1, 41, float("nan"))  # row 41, first token
     set_cache_at(pg, "value", 1, bs + 2, 0, 9, float("inf"))  # row 9, third token
     q = random_query(len(lens), 6, 64, dtype, scale=2.0)
-    scale = 64 ** -0.5
-    got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache, pg.block_tables,
-                                    pg.seq_lens, scale).float()
-    want = ref.attention(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
-                         scale).float()
+    got, want = _outputs(pg, q)
     bad = torch.zeros_like(want, dtype=torch.bool)
     bad[0, 3:6, 36] = bad[0, 3:6, 41] = bad[1, 0:3, 9] = True
     assert torch.equal(~want.isfinite(), bad)

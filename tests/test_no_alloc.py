@@ -68,6 +68,7 @@ SCRIPT = textwrap.dedent("""
         (torch.float32, [700, 33], [17, 1], 16),           # several query tokens per sequence
         (torch.bfloat16, [900, 7], None, 3),              # staged blocks
         (torch.float32, [300, 33], [9, 1], 1),             # staged, several query tokens
+        (torch.float16, [500, 41], None, 40),             # V rows half a vector short
     ]:
         pg = make_paged(lens, 2, 64, bs, dtype)
         n = sum(q_lens) if q_lens else len(lens)
