@@ -343,7 +343,7 @@ def _attend_both(pg, q, **kw):
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("block_size", [1, 3, 8, 16, 32, 128])
+@pytest.mark.parametrize("block_size", [1, 3, 8, 16, 24, 32, 128])
 @pytest.mark.parametrize("kind", ["key", "value"])
 @pytest.mark.usefixtures("cpu_variant")
 def test_stored_nan_reads_as_nan(cache_dtype, block_size, kind):

@@ -200,12 +200,12 @@ struct Layout {
     // Block sizes below W that no fast p.v path takes (pv_row_any's) are staged, as are those
     // below PAGED_OPS_STAGE_BELOW; staged blocks of at least PAGED_OPS_STAGE_MIN tokens. W / 4
     // on 16 lanes (pv_half_tile's) staged: 16-bit caches 1.01-1.12x, fp8 1.08-1.22x, fp32
-    // 0.89-0.95x; on 8 lanes (W / 2) 0.60-0.92x. Above W, pv_row_any's block sizes and
-    // pv_group_any's half-vector rows are staged for caches narrower than fp32 where whole
-    // blocks fill a staged one (24 in 48 on 16 lanes: 1.25-1.35x over pv_row_any, over
-    // pv_group_any fp8 1.12-1.15x, 16-bit 0.93-1.00x; fp32 0.85-0.94x; 40 and 80, padded:
+    // 0.89-0.95x; on 8 lanes (W / 2) 0.60-0.92x. Above W, pv_row_any's block sizes are staged
+    // for caches narrower than fp32 where whole blocks fill a staged one (24 in 48 on 16 lanes
+    // measured 1.25-1.35x over pv_row_any; pv_group_any, which takes 24 now, 0.99-1.07x over
+    // that for 16-bit caches, 1.13-1.22x for fp8; fp32 0.85-0.94x; 40 and 80, padded:
     // 0.91-1.02x).
-    const bool fast = (fast_pv && !half_rows) || half_pv || dot_pv || amx;
+    const bool fast = fast_pv || half_pv || dot_pv || amx;
     const bool quarter = W == 16 && 4 * cache_bs == W && sizeof(CT) < 4 && !amx;
     const bool above = !fast && cache_bs > W && sizeof(CT) < 4;
     if ((!fast && cache_bs < W) || cache_bs < PAGED_OPS_STAGE_BELOW || quarter || above) {
