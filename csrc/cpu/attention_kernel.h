@@ -201,9 +201,10 @@ struct Layout {
     // below PAGED_OPS_STAGE_BELOW; staged blocks of at least PAGED_OPS_STAGE_MIN tokens. W / 4
     // on 16 lanes (pv_half_tile's) staged: 16-bit caches 1.01-1.12x, fp8 1.08-1.22x, fp32
     // 0.89-0.95x; on 8 lanes (W / 2) 0.60-0.92x. Above W, pv_row_any's block sizes are staged
-    // for caches narrower than fp32 where whole blocks fill a staged one (24 in 48 on 16 lanes
-    // measured 1.25-1.35x over pv_row_any; pv_group_any, which takes 24 now, 0.99-1.07x over
-    // that for 16-bit caches, 1.13-1.22x for fp8; fp32 0.85-0.94x; 40 and 80, padded:
+    // for caches narrower than fp32 where whole blocks fill a staged one: on 8 lanes 12 in 24,
+    // 28 in 224; on 16 lanes none (those that could be are multiples of W / 2, pv_group_any's:
+    // at 24, against 2 in 48, 0.99-1.07x for 16-bit caches and 1.13-1.22x for fp8, where 2 in
+    // 48 measured 1.25-1.35x over pv_row_any; fp32 staged 0.85-0.94x; 40 and 80, padded,
     // 0.91-1.02x).
     const bool fast = fast_pv || half_pv || dot_pv || amx;
     const bool quarter = W == 16 && 4 * cache_bs == W && sizeof(CT) < 4 && !amx;
@@ -1029,13 +1030,14 @@ struct ItemWorker {
                       acc_h + r * acc_row, acc_row, D, bs);
       return;
     }
+    // The operands of pv_group and pv_group_any.
+    const float* const pp = scratch.p.data();
+    float* const ot = scratch.ot.data() + hl * R * D;  // tiles of 4 rows, then single rows
+    const float* const al = scratch.alpha.data() + hl * R;
+    auto acc = [&](int64_t r) { return acc_h ? acc_h + r * acc_row : nullptr; };
     auto run = [&](auto nv, auto src) {
       constexpr int NVc = decltype(nv)::value;
-      const float* pp = scratch.p.data();
-      float* const ot = scratch.ot.data() + hl * R * D;  // tiles of 4 rows, then single rows
-      const float* const al = scratch.alpha.data() + hl * R;
       int64_t r2 = 0;
-      auto acc = [&](int64_t r) { return acc_h ? acc_h + r * acc_row : nullptr; };
       if (nb == kGroup) {
         for (; r2 + 4 <= R; r2 += 4)
           pv_group<NVc, 4, kGroup, kSplitKeyPrefetch>(
@@ -1053,10 +1055,6 @@ struct ItemWorker {
     };
     auto run_any = [&](auto half, auto src) {
       constexpr bool HALF = decltype(half)::value;
-      const float* pp = scratch.p.data();
-      float* const ot = scratch.ot.data() + hl * R * D;
-      const float* const al = scratch.alpha.data() + hl * R;
-      auto acc = [&](int64_t r) { return acc_h ? acc_h + r * acc_row : nullptr; };
       int64_t r2 = 0;
       for (; r2 + 4 <= R; r2 += 4)
         pv_group_any<4, HALF, kSplitKeyPrefetch>(
