@@ -265,12 +265,7 @@ SELECTION = getattr(paged_ops, "_selection", None)
 
 
 def selection_name():
-    main, small = SELECTION
-    if not small:
-        return main
-    dtypes = small[2] if len(small) > 2 else ()  # as set_cpu_kernel_variant reads it
-    names = "".join(f" {str(d).removeprefix('torch.')}" for d in dtypes)
-    return f"{main} ({small[0]} for{names} bs <= {small[1]})"
+    return paged_ops._describe_selection(SELECTION)
 
 
 def use_variant(variant):

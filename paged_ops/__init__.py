@@ -47,11 +47,12 @@ _C_LIB = ctypes.CDLL(_C.__file__)  # the already-loaded extension, for its C ent
 _C_LIB.paged_ops_cpu_kernel_name.restype = ctypes.c_char_p
 _C_LIB.paged_ops_cpu_kernel_name.argtypes = [ctypes.c_int64, ctypes.c_int32]
 _C_LIB.paged_ops_set_cpu_kernel_table.argtypes = [ctypes.c_void_p]
-_C_LIB.paged_ops_set_cpu_small_block_kernel_table.argtypes = [ctypes.c_void_p, ctypes.c_int64,
-                                                              ctypes.c_uint32]
+_C_LIB.paged_ops_set_cpu_cell_kernel_table.argtypes = [ctypes.c_void_p, ctypes.c_int64,
+                                                       ctypes.c_int32]
 # The kernels' codes of the cache dtypes (DType, csrc/dtype.h).
 _CACHE_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
                       torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+_MAX_CELL_BLOCK_SIZE = 256  # the largest block size a build is chosen for (kMaxCellBlockSize)
 _variant_libs = {}  # name -> loaded variant library (kept alive, loaded once)
 
 
@@ -64,16 +65,26 @@ def built_with_cuda() -> bool:
 _VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16", "avx512_amx")
 
 # The builds an AVX-512 CPU can run, fastest first as measured on one (docs/cpu_kernel_selection.md:
-# a Sapphire Rapids Xeon, every cache dtype and block size 8-256, interleaved A/B): the AVX-512
-# builds lead everywhere but at block size 8 with an fp32 cache, where the AVX2 build runs
-# (_SMALL_BLOCKS); the AMX build measured no faster than avx512_bf16 on caches read from
-# memory, so it runs only when asked for.
+# a Sapphire Rapids Xeon, every cache dtype and block size 1-256, interleaved A/B); the AMX
+# build measured no faster than avx512_bf16 on caches read from memory, so it runs only when
+# asked for.
 _AVX512_PREFERENCE = ["avx512_bf16", "avx512", "avx2", "avx512_amx"]
-# Selected build -> (the build for small blocks, the largest block size it runs, the cache
-# dtypes it runs there).
-_SMALL_BLOCKS = {"avx512_bf16": ("avx2", 8, (torch.float32,)),
-                 "avx512": ("avx2", 8, (torch.float32,))}
-_selection: tuple = ("default", None)  # set_cpu_kernel_variant's arguments, for restoring
+# Selected build -> {other build: {cache dtype: the block sizes it runs instead}}: the cells
+# where the other build measured faster on all three shapes in two runs
+# (docs/cpu_kernel_selection.md).
+_OVERRIDES = {
+    "avx512_bf16": {
+        "avx2": {torch.float32: (1, 2, 4), torch.float16: (24, 40),
+                 torch.bfloat16: (24, 40, 56)},
+        "avx512": {torch.float16: (5,), torch.bfloat16: (3, 4, 5),
+                   torch.float8_e5m2: (1, 2, 4)},
+    },
+    "avx512": {
+        "avx2": {torch.float32: (1, 4), torch.float16: (24, 40), torch.bfloat16: (24, 40, 56),
+                 torch.float8_e5m2: (24,)},
+    },
+}
+_selection: tuple = ("default", {})  # set_cpu_kernel_variant's arguments, for restoring
 
 
 def cpu_kernel_variant(block_size: int | None = None,
@@ -133,11 +144,31 @@ def _kernel_table(name: str):
     return lib.paged_ops_cpu_kernel_table()
 
 
-def set_cpu_kernel_variant(name: str, *, small_blocks: tuple | None = None) -> None:
+def _normalized_overrides(overrides) -> dict:
+    """overrides as {other build: {cache dtype: sorted block sizes}}, checked."""
+    out = {}
+    for other, cells in (overrides or {}).items():
+        if not isinstance(cells, dict):
+            raise ValueError(f"overrides[{other!r}] must map cache dtypes to block sizes, "
+                             f"got {cells!r}")
+        for dtype, sizes in cells.items():
+            if dtype not in _CACHE_DTYPE_CODES:
+                raise ValueError(f"overrides[{other!r}]: cache dtype must be one of "
+                                 f"{list(_CACHE_DTYPE_CODES)}, got {dtype}")
+            sizes = tuple(sorted(set(int(b) for b in sizes)))
+            if any(b < 1 or b > _MAX_CELL_BLOCK_SIZE for b in sizes):
+                raise ValueError(f"overrides[{other!r}][{dtype}]: block sizes must be in "
+                                 f"[1, {_MAX_CELL_BLOCK_SIZE}], got {sizes}")
+            if sizes:
+                out.setdefault(other, {})[dtype] = sizes
+    return out
+
+
+def set_cpu_kernel_variant(name: str, *, overrides: dict | None = None) -> None:
     """Switch the CPU attention kernel to ``name`` (one of :func:`supported_cpu_kernel_variants`)
-    for every block size, or with ``small_blocks=(other, max_block_size)`` to ``other`` for
-    calls of block size up to ``max_block_size``; ``(other, max_block_size, cache_dtypes)``
-    limits that to caches of the dtypes listed.
+    for every block size and cache dtype; ``overrides={other: {cache_dtype: block_sizes}}``
+    runs build ``other`` instead for calls of those block sizes (1-256) with a cache of that
+    dtype.
 
     Meant for tests and benchmarks; at import the fastest supported builds are chosen, or the
     one the environment variable
@@ -146,24 +177,45 @@ def set_cpu_kernel_variant(name: str, *, small_blocks: tuple | None = None) -> N
     instruction set below it).
     """
     global _selection
+    cells = _normalized_overrides(overrides)
     table = _kernel_table(name)
-    small = _kernel_table(small_blocks[0]) if small_blocks else None
+    others = {other: _kernel_table(other) for other in cells}  # ValueError before any switch
     if _C_LIB.paged_ops_set_cpu_kernel_table(table) != 0:
         raise RuntimeError(f"{_variant_library(name)} is from an incompatible build; "
                            "rebuild paged_ops")
-    if small_blocks:
-        dtypes = small_blocks[2] if len(small_blocks) > 2 else tuple(_CACHE_DTYPE_CODES)
-        mask = sum(1 << _CACHE_DTYPE_CODES[d] for d in set(dtypes))
-        if _C_LIB.paged_ops_set_cpu_small_block_kernel_table(small, int(small_blocks[1]),
-                                                              mask) != 0:
-            raise RuntimeError(f"{_variant_library(small_blocks[0])} is from an incompatible "
-                               "build; rebuild paged_ops")
-    _selection = (name, tuple(small_blocks) if small_blocks else None)
+    for other, by_dtype in cells.items():
+        for dtype, sizes in by_dtype.items():
+            for b in sizes:
+                if _C_LIB.paged_ops_set_cpu_cell_kernel_table(
+                        others[other], b, _CACHE_DTYPE_CODES[dtype]) != 0:
+                    _C_LIB.paged_ops_set_cpu_kernel_table(table)  # not half switched
+                    raise RuntimeError(f"{_variant_library(other)} is from an incompatible "
+                                       "build; rebuild paged_ops")
+    _selection = (name, cells)
 
 
 def _set_selection(selection: tuple) -> None:
     """Back to a selection saved from ``_selection`` (tests and benchmarks)."""
-    set_cpu_kernel_variant(selection[0], small_blocks=selection[1])
+    set_cpu_kernel_variant(selection[0], overrides=selection[1])
+
+
+def _describe_selection(selection: tuple) -> str:
+    """A selection in words: "avx512_bf16 (avx2: float32 bs 1-8, float16 bs 24,40)"."""
+    name, cells = selection
+    parts = []
+    for other, by_dtype in cells.items():
+        of_other = []
+        for dtype, sizes in by_dtype.items():
+            runs, start = [], 0
+            for i in range(1, len(sizes) + 1):  # consecutive sizes as one range
+                if i == len(sizes) or sizes[i] != sizes[i - 1] + 1:
+                    lo, hi = sizes[start], sizes[i - 1]
+                    runs.append(f"{lo}-{hi}" if hi > lo + 1 else
+                                ",".join(str(b) for b in sizes[start:i]))
+                    start = i
+            of_other.append(f"{str(dtype).removeprefix('torch.')} bs {','.join(runs)}")
+        parts.append(f"{other}: {', '.join(of_other)}")
+    return f"{name} ({'; '.join(parts)})" if parts else name
 
 
 def _select_cpu_kernels() -> None:
@@ -179,9 +231,9 @@ def _select_cpu_kernels() -> None:
                           key=_VARIANT_NAMES.index, reverse=True)
         set_cpu_kernel_variant(variants[0])
         return
-    small = _SMALL_BLOCKS.get(variants[0])
-    set_cpu_kernel_variant(variants[0], small_blocks=small if small and small[0] in variants
-                           else None)
+    overrides = {other: cells for other, cells in _OVERRIDES.get(variants[0], {}).items()
+                 if other in variants}
+    set_cpu_kernel_variant(variants[0], overrides=overrides)
 
 
 _select_cpu_kernels()

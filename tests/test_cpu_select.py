@@ -25,10 +25,11 @@ def test_default_is_the_fastest_supported():
     assert res.stdout.strip() == paged_ops.supported_cpu_kernel_variants()[0]
 
 
-def test_avx512_cpus_run_avx2_for_fp32_at_small_blocks(monkeypatch):
+def test_avx512_cpus_run_avx512_bf16_with_measured_overrides(monkeypatch):
     # Measured on an AVX-512 CPU (a Sapphire Rapids Xeon, every cache dtype and block size
-    # 8-256): the AVX-512 builds lead everywhere but at block size 8 with an fp32 cache, where
-    # AVX2 does; the AMX build is no faster from memory and runs only when asked for.
+    # 1-256; docs/cpu_kernel_selection.md): avx512_bf16 leads but for the (cache dtype, block
+    # size) cells of _OVERRIDES; the AMX build is no faster from memory and runs only when
+    # asked for.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability",
                         lambda: {"avx512_bf16": True, "avx512_vbmi": True, "amx_tile": True,
@@ -36,38 +37,55 @@ def test_avx512_cpus_run_avx2_for_fp32_at_small_blocks(monkeypatch):
     built = [v for v in ("avx512_bf16", "avx512", "avx2", "avx512_amx")
              if paged_ops._variant_library(v)]
     assert paged_ops.supported_cpu_kernel_variants() == built + ["default"]
-    assert paged_ops._SMALL_BLOCKS == {"avx512_bf16": ("avx2", 8, (torch.float32,)),
-                                       "avx512": ("avx2", 8, (torch.float32,))}
+    assert set(paged_ops._OVERRIDES) <= {"avx512_bf16", "avx512"}
+    for main, others in paged_ops._OVERRIDES.items():
+        assert paged_ops._normalized_overrides(others) == others  # sorted, checked
+        assert main not in others
 
 
 def test_the_build_follows_the_block_size_and_cache_dtype():
-    code = ("import paged_ops as p, torch; print(p.cpu_kernel_variant(), "
-            "*(p.cpu_kernel_variant(b, d) for d in (torch.bfloat16, torch.float32) "
-            "for b in (8, 16, 32, 256)))")
+    dtypes = list(paged_ops._CACHE_DTYPE_CODES)
+    code = ("import paged_ops as p; print(p.cpu_kernel_variant(), *(p.cpu_kernel_variant(b, d) "
+            "for d in p._CACHE_DTYPE_CODES for b in range(1, 300)))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    main, *by_bs = res.stdout.split()
-    small = paged_ops._SMALL_BLOCKS.get(main)
-    if small is None or small[0] not in paged_ops.supported_cpu_kernel_variants():
-        assert by_bs == [main] * 8
-    else:
-        assert small[1] == 8 and small[2] == (torch.float32,)
-        assert by_bs == [main] * 4 + [small[0], main, main, main]
+    main, *by_cell = res.stdout.split()
+    expect = {}
+    for other, cells in paged_ops._OVERRIDES.get(main, {}).items():
+        if other in paged_ops.supported_cpu_kernel_variants():
+            for d, sizes in cells.items():
+                expect.update({(d, b): other for b in sizes})
+    assert by_cell == [expect.get((d, b), main) for d in dtypes for b in range(1, 300)]
     # A build asked for by name (tests, benchmarks) runs every block size; the selection
     # comes back as it was.
     before = paged_ops._selection
     try:
         paged_ops.set_cpu_kernel_variant("default")
-        assert {paged_ops.cpu_kernel_variant(b) for b in (0, 8, 16, 256)} == {"default"}
-        paged_ops.set_cpu_kernel_variant("default", small_blocks=(main, 16))
-        assert [paged_ops.cpu_kernel_variant(b) for b in (8, 16, 17)] == [main, main, "default"]
-        paged_ops.set_cpu_kernel_variant("default", small_blocks=(main, 16, (torch.float16,)))
+        assert {paged_ops.cpu_kernel_variant(b, d) for b in (0, 1, 8, 16, 256, 257)
+                for d in dtypes} == {"default"}
+        paged_ops.set_cpu_kernel_variant("default", overrides={
+            main: {torch.float16: range(1, 17), torch.bfloat16: [40, 24, 24]}})
+        assert paged_ops._selection == ("default", {main: {torch.float16: tuple(range(1, 17)),
+                                                           torch.bfloat16: (24, 40)}})
         assert [paged_ops.cpu_kernel_variant(b, d) for b, d in
-                ((8, torch.float16), (16, torch.float16), (17, torch.float16),
-                 (8, torch.bfloat16), (8, torch.float8_e4m3fn))] == \
-            [main, main, "default", "default", "default"]
+                ((1, torch.float16), (16, torch.float16), (17, torch.float16),
+                 (24, torch.bfloat16), (40, torch.bfloat16), (32, torch.bfloat16),
+                 (8, torch.float8_e4m3fn), (8, torch.float32))] == \
+            [main, main, "default", main, main, "default", "default", "default"]
+        assert paged_ops._describe_selection(paged_ops._selection) == \
+            f"default ({main}: float16 bs 1-16, bfloat16 bs 24,40)"
         with pytest.raises(ValueError, match="cache_dtype"):
             paged_ops.cpu_kernel_variant(8, torch.int8)
+        # Bad overrides are refused before anything switches.
+        for bad, match in (({main: {torch.int8: [8]}}, "cache dtype"),
+                           ({main: {torch.float16: [0]}}, "block sizes"),
+                           ({main: {torch.float16: [257]}}, "block sizes"),
+                           ({main: [8]}, "must map"),
+                           ({"avx9000": {torch.float16: [8]}}, "not available")):
+            with pytest.raises(ValueError, match=match):
+                paged_ops.set_cpu_kernel_variant(main, overrides=bad)
+            assert paged_ops.cpu_kernel_variant(16, torch.float16) == main
+            assert paged_ops.cpu_kernel_variant(17, torch.float16) == "default"
     finally:
         paged_ops._set_selection(before)
     assert paged_ops._selection == before

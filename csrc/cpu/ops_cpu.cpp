@@ -22,13 +22,13 @@ const KernelTable* default_kernel_table();  // kernels_default.cpp
 namespace {
 
 std::atomic<const KernelTable*> g_kernels{nullptr};
-// Calls with block_size <= g_small_max_block_size and a cache dtype in g_small_cache_dtypes
-// (bit DType) run on g_small_kernels: on a CPU where one build is faster at small blocks and
-// another at large ones, each runs where it measured faster (docs/cpu_kernel_selection.md).
-// Unset (0, null) by paged_ops_set_cpu_kernel_table.
-std::atomic<const KernelTable*> g_small_kernels{nullptr};
-std::atomic<int64_t> g_small_max_block_size{0};
-std::atomic<uint32_t> g_small_cache_dtypes{0};
+// Per (cache dtype, block size) the build that runs such calls instead of g_kernels (null:
+// g_kernels): on a CPU where builds lead at different block sizes and cache dtypes, each runs
+// where it measured faster (docs/cpu_kernel_selection.md). Block sizes above
+// kMaxCellBlockSize always run on g_kernels. Cleared by paged_ops_set_cpu_kernel_table.
+constexpr int64_t kMaxCellBlockSize = 256;
+constexpr int kCacheDTypes = static_cast<int>(DType::F8E5M2) + 1;
+std::atomic<const KernelTable*> g_cells[kCacheDTypes][kMaxCellBlockSize + 1] = {};
 
 const KernelTable* kernels() {
   const KernelTable* t = g_kernels.load(std::memory_order_acquire);
@@ -36,10 +36,9 @@ const KernelTable* kernels() {
 }
 
 const KernelTable* kernels(int64_t block_size, DType cache_dtype) {
-  const uint32_t bit = 1u << static_cast<int32_t>(cache_dtype);
-  if (block_size <= g_small_max_block_size.load(std::memory_order_acquire) &&
-      (g_small_cache_dtypes.load(std::memory_order_acquire) & bit) != 0) {
-    const KernelTable* t = g_small_kernels.load(std::memory_order_acquire);
+  const int d = static_cast<int>(cache_dtype);
+  if (block_size >= 1 && block_size <= kMaxCellBlockSize && d >= 0 && d < kCacheDTypes) {
+    const KernelTable* t = g_cells[d][block_size].load(std::memory_order_acquire);
     if (t != nullptr) return t;
   }
   return kernels();
@@ -71,27 +70,28 @@ using Op = AttentionOp<Backend::CPU, &run_attention>;
 
 // Switch the attention kernel to a capability variant (called from paged_ops/__init__.py
 // through ctypes); null restores the built-in default kernel. Sets the one kernel build run by
-// calls of every block size. Returns 0 on success, -1 if the table is from an incompatible
-// build.
+// calls of every block size and cache dtype. Returns 0 on success, -1 if the table is from an
+// incompatible build.
 extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_kernel_table(
     const paged::cpu::KernelTable* table) {
   if (table != nullptr && table->abi_version != paged::cpu::kKernelAbiVersion) return -1;
-  paged::cpu::g_small_max_block_size.store(0, std::memory_order_release);
-  paged::cpu::g_small_kernels.store(nullptr, std::memory_order_release);
+  for (auto& by_size : paged::cpu::g_cells)
+    for (auto& cell : by_size) cell.store(nullptr, std::memory_order_release);
   paged::cpu::g_kernels.store(table, std::memory_order_release);
   return 0;
 }
 
-// After paged_ops_set_cpu_kernel_table: calls with block_size <= max_block_size and a cache
-// dtype whose bit (1 << DType) is set in cache_dtypes run on `table` instead (null: the
-// built-in default kernel). Same return values.
-extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_small_block_kernel_table(
-    const paged::cpu::KernelTable* table, int64_t max_block_size, uint32_t cache_dtypes) {
+// After paged_ops_set_cpu_kernel_table: calls of block size `block_size` (1-256) with a cache
+// of DType `cache_dtype` run on `table` instead (null: the built-in default kernel). Returns
+// 0, -1 for a table from an incompatible build, -2 for a block size or dtype out of range.
+extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_cell_kernel_table(
+    const paged::cpu::KernelTable* table, int64_t block_size, int32_t cache_dtype) {
   if (table != nullptr && table->abi_version != paged::cpu::kKernelAbiVersion) return -1;
-  paged::cpu::g_small_kernels.store(table ? table : paged::cpu::default_kernel_table(),
-                                    std::memory_order_release);
-  paged::cpu::g_small_cache_dtypes.store(cache_dtypes, std::memory_order_release);
-  paged::cpu::g_small_max_block_size.store(max_block_size, std::memory_order_release);
+  if (block_size < 1 || block_size > paged::cpu::kMaxCellBlockSize || cache_dtype < 0 ||
+      cache_dtype >= paged::cpu::kCacheDTypes)
+    return -2;
+  paged::cpu::g_cells[cache_dtype][block_size].store(
+      table ? table : paged::cpu::default_kernel_table(), std::memory_order_release);
   return 0;
 }
 
