@@ -139,7 +139,7 @@ struct Layout {
   // in the softmax step, not four; 1.00-1.10x per call at block size 8).
   int64_t block_row;
   int64_t group_row;  // probabilities of a group of blocks, whole vectors
-  int64_t group;  // blocks per group (kGroupTokens, at most kGroup)
+  int64_t group;  // blocks per group (kGroupBytes of keys, at most kGroup)
   // Row stride of the p.v accumulators: D * W lanes plus one cache line, so the rows of a tile
   // (touched together) do not fall in the same L1 sets when D * W * 4 is a multiple of 4 KiB.
   int64_t acc_row;
@@ -248,7 +248,8 @@ struct Layout {
     raw_row = round_up(chunk_elems, W);
     block_row = bs < W && W % bs == 0 ? bs : round_up(bs, W);
     group_row = round_up(kGroup * block_row, W);
-    group = std::clamp<int64_t>(kGroupTokens / bs, 1, kGroup);
+    group = std::clamp<int64_t>(kGroupBytes / (bs * D * static_cast<int64_t>(sizeof(CT))), 1,
+                                kGroup);
     acc_row = D * W + 16;
     dot_bf16 = kDotBF16 && std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16 &&
                chunk_elems % (2 * W) == 0;

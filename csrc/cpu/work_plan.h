@@ -13,16 +13,17 @@ namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 
 // Blocks per softmax step (see the block loop of attention_impl): at most kGroup, and about
-// kGroupTokens tokens, so that a group's K and V and the next group's, prefetched meanwhile,
-// stay well inside L2 whatever the block size.
+// kGroupBytes of one kv head's keys (as many of values), so that a group's K and V and the
+// next group's, prefetched meanwhile, stay well inside L2 whatever the block size, head size
+// and cache dtype.
 #ifndef PAGED_OPS_GROUP_BLOCKS
 #define PAGED_OPS_GROUP_BLOCKS 4
 #endif
 constexpr int64_t kGroup = PAGED_OPS_GROUP_BLOCKS;
-#ifndef PAGED_OPS_GROUP_TOKENS
-#define PAGED_OPS_GROUP_TOKENS 128
+#ifndef PAGED_OPS_GROUP_BYTES
+#define PAGED_OPS_GROUP_BYTES 65536
 #endif
-constexpr int64_t kGroupTokens = PAGED_OPS_GROUP_TOKENS;
+constexpr int64_t kGroupBytes = PAGED_OPS_GROUP_BYTES;
 
 template <typename T, typename A>
 inline void grow(std::vector<T, A>& v, int64_t n) {
