@@ -74,13 +74,12 @@ _AVX512_PREFERENCE = ["avx512_bf16", "avx512", "avx2", "avx512_amx"]
 # (docs/cpu_kernel_selection.md).
 _OVERRIDES = {
     "avx512_bf16": {
-        "avx2": {torch.float32: (1, 2, 4), torch.float16: (24, 40),
-                 torch.bfloat16: (24, 40, 56)},
-        "avx512": {torch.float16: (5,), torch.bfloat16: (3, 4, 5),
+        "avx2": {torch.float32: (1, 2, 4), torch.float16: (24,), torch.bfloat16: (24, 40)},
+        "avx512": {torch.float16: (5,), torch.bfloat16: (3, 4, 5, 256),
                    torch.float8_e5m2: (1, 2, 4)},
     },
     "avx512": {
-        "avx2": {torch.float32: (1, 4), torch.float16: (24, 40), torch.bfloat16: (24, 40, 56),
+        "avx2": {torch.float32: (1, 4), torch.float16: (24,), torch.bfloat16: (24,),
                  torch.float8_e5m2: (24,)},
     },
 }
