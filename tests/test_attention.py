@@ -113,7 +113,8 @@ def test_staged_block_sizes(dtype, block_size):
     check(pg, q, dtype)
     check(pg, q, dtype, sliding_window=2 * bs + 3)
     check(pg, q, dtype, sliding_window=41, alibi_slopes=torch.rand(8), logits_soft_cap=5.0)
-    pg = make_paged([900], 2, 128, bs, dtype, seed=70 + bs)
+    # Long enough for 4 block-range splits on 2 threads (512 tokens each at head size 128).
+    pg = make_paged([2100], 2, 128, bs, dtype, seed=70 + bs)
     q = random_query(1, 8, 128, dtype, scale=2.0)
     check(pg, q, dtype)
     check(pg, q, dtype, sliding_window=300)
@@ -173,7 +174,9 @@ def test_work_split_over_threads(threads, case):
     # How decode is cut into items depends on the thread count: whole sequences with every kv
     # head, block-range splits merged afterwards, and kv heads halved into uneven chunks (5 kv
     # heads: 3 + 2, then 2 + 1 + 2 ...). Every cut must give the same answer.
-    lens = {"one_short": [40], "one_long": [1000], "few_mixed": [300, 1, 129]}[case]
+    # Splits cover at least 512 tokens at head size 128 (1024 at 64, csrc/cpu/work_plan.h):
+    # one_long splits in 4, few_mixed in 2 (empty splits for the short ones).
+    lens = {"one_short": [40], "one_long": [4500], "few_mixed": [2100, 1, 129]}[case]
     pg = make_paged(lens, 5, 64, 16, torch.float32, seed=11)
     q = random_query(len(lens), 10, 64, torch.float32, scale=2.0)
     before = torch.get_num_threads()

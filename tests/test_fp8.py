@@ -352,7 +352,7 @@ def test_stored_nan_reads_as_nan(cache_dtype, block_size, kind):
     # (split over threads), a sliding window that hides it, and several query tokens (only the
     # rows at or after the position). The unwritten slots hold NaN too and must not count.
     bs = block_size
-    lens = [5, bs + 3, 20 * bs + 7]
+    lens = [5, bs + 3, max(20 * bs, 1100) + 7]  # two splits of >= 512 tokens on 2 threads
     pg = make_paged_fp8(lens, 2, 128, bs, cache_dtype, seed=bs)
     for s, pos in ((1, bs + 1), (2, 11 * bs + 2)):
         set_cache_at(pg, kind, s, pos, 1, 37, float("nan"))

@@ -4,8 +4,8 @@ make_plan cuts a call into items and item_info says what each covers; a mistake 
 block covered twice or not at all, a split leaving a gap, a range past the sequence) gives wrong
 attention only for the shapes it mis-cuts, which the numeric tests may never draw. The header is
 plain C++, so tests/work_plan_check.cpp includes it, enumerates every item of a case and checks
-the coverage, the bounds and the documented heuristic (splits, heads per item, grain). Each case
-below pins a shape class; `sweep` runs a grid of ~30000 more.
+the coverage, the bounds and the documented heuristic (splits, heads per item, grain, sized
+in key elements). Each case below pins a shape class; `sweep` runs a grid of ~37000 more.
 """
 
 import os
@@ -27,9 +27,17 @@ CASES = {
     "decode_long_split_16_threads_mqa": "lens=16384 heads=8/1 bs=16 threads=16 splits=32",
     # Too few blocks to split (< 16): the kv heads are spread over items instead.
     "decode_short_heads_spread": "lens=20 heads=32/8 bs=16 threads=16 splits=1 hpi=1 items=8",
-    "decode_heads_halve_unevenly": "lens=16 heads=24/3 bs=1 threads=2 splits=2 hpi=2 items=4",
-    # 257 blocks in 32 splits of 9: the last splits are empty, which the merge allows.
-    "decode_empty_splits": "lens=4112 heads=8/1 bs=16 threads=16 splits=32",
+    # 16 tokens at block size 1 are 2 Ki key elements per kv head, less than a split's 64 Ki.
+    "decode_heads_halve_unevenly": "lens=16 heads=24/3 bs=1 threads=2 splits=1 hpi=1 items=3",
+    # A split covers 64 Ki key elements (512 tokens at head size 128), whatever the block size
+    # and the cache dtype: 2 blocks of 256, 512 blocks of 1, 64 blocks of 16 at head size 64.
+    "decode_bs256_two_blocks_per_split": "lens=2048 heads=32/8 bs=256 threads=2 splits=4 hpi=8",
+    "decode_bs256_short": "lens=1024 heads=32/8 bs=256 threads=2 splits=2 hpi=4",
+    "decode_bs1_fp8_512_blocks_per_split":
+        "lens=1100 heads=32/8 bs=1 threads=2 dtype=fp8_e4m3 splits=2 hpi=4",
+    "decode_fp32_d64": "lens=4096 heads=32/8 bs=16 threads=2 d=64 dtype=fp32 splits=4 hpi=8",
+    # 65 blocks in 32 splits of 3: the last splits are empty, which the merge allows.
+    "decode_empty_splits": "lens=16640 heads=8/1 bs=256 threads=16 splits=32",
     "decode_window_bs7": "lens=1000,3,70 heads=4/4 bs=7 threads=16 window=100",
     "decode_bs1_window1": "lens=300 heads=8/1 bs=1 threads=2 window=1",
     "decode_bs128_strided_seq_lens": "lens=129,128,1 heads=32/8 bs=128 threads=2 stride=3",

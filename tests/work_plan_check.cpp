@@ -9,7 +9,9 @@
 //        work_plan_check sweep          a built-in grid of cases.
 // Keys: lens=a,b,c (seq_lens), q=a,b,c (query tokens per sequence: multi-token; absent:
 // decode), heads=H/KV, bs, threads, window (sliding window, 0: off), stride (seq_lens
-// stride), and what the plan must come to: splits, hpi (heads per item), items.
+// stride), d (head size, 128), dtype (cache: fp32, fp16, bf16 (the default), fp8_e4m3,
+// fp8_e5m2; the plan must not depend on it), and what the plan must come to: splits, hpi
+// (heads per item), items.
 // Prints "ok ..." and exits 0, or prints the first failure and exits 1 (2: bad arguments).
 
 #include <algorithm>
@@ -29,7 +31,8 @@ namespace {
 struct Case {
   std::vector<int32_t> lens, q_lens;
   bool multi = false;
-  int64_t heads = 32, kv_heads = 8, bs = 16, threads = 2, window = 0, stride = 1;
+  int64_t heads = 32, kv_heads = 8, bs = 16, threads = 2, window = 0, stride = 1, d = 128;
+  DType dtype = DType::BF16;
   int64_t want_splits = -1, want_hpi = -1, want_items = -1;  // -1: not pinned
 
   std::string describe() const {
@@ -41,7 +44,8 @@ struct Case {
       for (size_t i = 0; i < q_lens.size(); ++i) o << (i ? "," : "") << q_lens[i];
     }
     o << " heads=" << heads << "/" << kv_heads << " bs=" << bs << " threads=" << threads
-      << " window=" << window << " stride=" << stride;
+      << " window=" << window << " stride=" << stride << " d=" << d
+      << " dtype=" << static_cast<int>(dtype);
     return o.str();
   }
 };
@@ -103,7 +107,8 @@ void check_case(const Case& c) {
   P.num_tokens = num_tokens;
   P.num_heads = c.heads;
   P.num_kv_heads = c.kv_heads;
-  P.head_size = 128;
+  P.head_size = c.d;
+  P.cache_dtype = c.dtype;
   P.block_size = bs;
   P.x = 8;
   P.scale = 1.f;
@@ -119,12 +124,17 @@ void check_case(const Case& c) {
      << "}";
   const std::string plan_s = ps.str();
 
-  // The plan's sizes.
+  // The plan's sizes, in key elements of one kv head, tokens x head size (x query rows for
+  // the cost), whatever the block size and cache dtype.
+  const int64_t key_elems = bs * c.d;
+  const int64_t split_blocks = cdiv(64 << 10, key_elems);  // 512 tokens at head size 128
+  const int64_t task_cost = 32 << 10;                      // 16 blocks of 16 at 128
+  const int64_t visit_elems = std::max<int64_t>(bs, 16) * c.d;  // a block counts >= 16 tokens
   int64_t max_blocks = 0, total_cost = 0;
   for (int64_t s = 0; s < B; ++s) {
     const int64_t nblk = cdiv(c.lens[s], bs);
     max_blocks = std::max(max_blocks, nblk);
-    total_cost += nblk * (c.multi ? c.q_lens[s] * G : G) * c.kv_heads;
+    total_cost += nblk * (c.multi ? c.q_lens[s] * G : G) * c.kv_heads * visit_elems;
   }
   CHECK(plan.splits >= 1 && plan.heads_per_item >= 1 && plan.tokens_per_chunk >= 1, plan_s);
   CHECK(plan.heads_per_item <= c.kv_heads, plan_s);
@@ -149,13 +159,16 @@ void check_case(const Case& c) {
       // Enough items already (or one thread): one item per sequence, all its kv heads.
       CHECK(plan.splits == 1 && plan.heads_per_item == c.kv_heads, plan_s);
     } else {
-      // Split the block range first: as many splits as make 2 items per thread, but at least 8
-      // blocks per split on average over the longest sequence.
+      // Split the block range first: as many splits as make 2 items per thread, but at least
+      // 64 Ki key elements (512 tokens at head size 128) per split on average over the
+      // longest sequence.
       const int64_t want = cdiv(want_items, std::max<int64_t>(B, 1));
       CHECK(plan.splits <= want, plan_s << ", want " << want << " splits");
       if (plan.splits > 1)
-        CHECK(plan.splits * 8 <= max_blocks, plan_s << ", " << max_blocks << " blocks at most");
-      CHECK(plan.splits == want || (plan.splits + 1) * 8 > max_blocks,
+        CHECK(plan.splits * split_blocks <= max_blocks,
+              plan_s << ", " << max_blocks << " blocks at most, " << split_blocks
+                     << " per split at least");
+      CHECK(plan.splits == want || (plan.splits + 1) * split_blocks > max_blocks,
             plan_s << ": more splits were possible (want " << want << ", " << max_blocks
                    << " blocks at most)");
       // Then halve the heads per item until 2 items per thread (or one head per item), and no
@@ -170,15 +183,17 @@ void check_case(const Case& c) {
                      << " items already");
     }
   }
-  // Grain: each parallel task gets at least 16 block x row visits on average, the smallest
-  // such count of items; a call with less than that per thread runs as one task.
+  // Grain: each parallel task gets at least 32 Ki key elements x query rows on average (a
+  // block counting at least 16 tokens), the smallest such count of items; a call with less
+  // than that per thread runs as one task.
   CHECK(plan.grain >= 1, plan_s);
-  if (total_cost < 16 * std::max<int64_t>(c.threads, 1)) {
+  if (total_cost < task_cost * std::max<int64_t>(c.threads, 1)) {
     CHECK(plan.grain >= plan.num_items, plan_s << ", total cost " << total_cost);
   } else {
     CHECK(plan.grain <= std::max<int64_t>(plan.num_items, 1), plan_s);
-    CHECK(plan.grain * total_cost >= 16 * plan.num_items, plan_s << ", total cost " << total_cost);
-    CHECK((plan.grain - 1) * total_cost < 16 * plan.num_items,
+    CHECK(plan.grain * total_cost >= task_cost * plan.num_items,
+          plan_s << ", total cost " << total_cost);
+    CHECK((plan.grain - 1) * total_cost < task_cost * plan.num_items,
           plan_s << ", total cost " << total_cost << ": grain larger than needed");
   }
   if (c.want_splits >= 0) CHECK(plan.splits == c.want_splits, plan_s);
@@ -325,10 +340,24 @@ Case parse_case(int argc, char** argv) {
       }
       c.heads = std::stoll(v.substr(0, sl));
       c.kv_heads = std::stoll(v.substr(sl + 1));
+    } else if (k == "dtype") {
+      const std::pair<const char*, DType> names[] = {{"fp32", DType::F32},
+                                                     {"fp16", DType::F16},
+                                                     {"bf16", DType::BF16},
+                                                     {"fp8_e4m3", DType::F8E4M3},
+                                                     {"fp8_e5m2", DType::F8E5M2}};
+      bool found = false;
+      for (const auto& [name, t] : names)
+        if (v == name) c.dtype = t, found = true;
+      if (!found) {
+        std::printf("dtype=fp32|fp16|bf16|fp8_e4m3|fp8_e5m2, got '%s'\n", v.c_str());
+        std::exit(2);
+      }
     } else if (k == "bs" || k == "threads" || k == "window" || k == "stride" || k == "splits" ||
-               k == "hpi" || k == "items") {
+               k == "hpi" || k == "items" || k == "d") {
       const int64_t n = std::stoll(v);
       (k == "bs"        ? c.bs
+       : k == "d"       ? c.d
        : k == "threads" ? c.threads
        : k == "window"  ? c.window
        : k == "stride"  ? c.stride
@@ -340,15 +369,15 @@ Case parse_case(int argc, char** argv) {
       std::exit(2);
     }
   }
-  if (c.kv_heads < 1 || c.heads % c.kv_heads != 0 || c.bs < 1 || c.stride < 1) {
+  if (c.kv_heads < 1 || c.heads % c.kv_heads != 0 || c.bs < 1 || c.stride < 1 || c.d < 1) {
     std::printf("bad case: %s\n", c.describe().c_str());
     std::exit(2);
   }
   return c;
 }
 
-// A grid over block sizes, head counts, threads and windows, on fixed and pseudo-random
-// sequence sets, decode and multi-token.
+// A grid over block sizes, cache dtypes, head sizes, head counts, threads and windows, on
+// fixed and pseudo-random sequence sets, decode and multi-token.
 int sweep() {
   uint64_t rng = 12345;
   auto next = [&](int64_t n) {  // uniform-ish in [0, n)
@@ -362,7 +391,8 @@ int sweep() {
   const std::pair<int64_t, int64_t> heads[] = {{32, 8}, {8, 1},  {4, 4},  {64, 1},
                                                {128, 2}, {24, 3}, {40, 5}, {36, 12}};
   int64_t n = 0;
-  for (int64_t bs : {1, 7, 8, 16, 128})
+  const DType dtypes[] = {DType::BF16, DType::F32, DType::F8E4M3, DType::F16, DType::F8E5M2};
+  for (int64_t bs : {1, 7, 8, 16, 128, 256})
     for (auto [h, kv] : heads)
       for (int64_t threads : {1, 2, 3, 16})
         for (int64_t window : {0, 1, 5, 100}) {
@@ -382,6 +412,8 @@ int sweep() {
               c.threads = threads;
               c.window = window;
               c.stride = 1 + (n % 2);
+              c.dtype = dtypes[n % 5];
+              c.d = n % 3 == 0 ? 64 : 128;
               // mode 0: decode; 1: multi with q = whole sequence (prefill) or random q_len;
               // 2: multi with q_len 0 or 1 mixed in.
               c.multi = mode > 0;

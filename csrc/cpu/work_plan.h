@@ -70,6 +70,24 @@ inline int64_t first_visible(const AttentionParams& P, int64_t Ppos) {
   return P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
 }
 
+// The plan sizes work in key elements of one kv head (tokens x head size), not in blocks, so
+// that it holds at every block size. Not in bytes: a small call's time follows its arithmetic,
+// the same per element for every cache dtype.
+// A split of a sequence's blocks covers at least this many, so that each item runs long
+// enough for its prefetches to pay and the merge of the splits' states stays negligible: 512
+// tokens at head size 128. Against 8 blocks per split (B=1, L=512-4096, block sizes 2-256,
+// bf16 and fp32, avx512_bf16, 2 threads): 1.01-1.12x at L=512, 0.93-1.03x at 1024 and 4096;
+// at 128 tokens (16 Ki) 0.84-1.02x at block sizes 128 and 256; 2048 tokens 0.91x at 2.
+#ifndef PAGED_OPS_MIN_SPLIT_ELEMENTS
+#define PAGED_OPS_MIN_SPLIT_ELEMENTS (64 << 10)
+#endif
+constexpr int64_t kMinSplitElements = PAGED_OPS_MIN_SPLIT_ELEMENTS;
+// A parallel task covers at least this many key elements x query rows (about 2 us; see
+// make_plan's grain), a block visit counting at least kMinVisitTokens tokens (the per-block
+// steps cost as much below it): 16 (block, row) visits at block size 16, head size 128.
+constexpr int64_t kMinTaskElements = 32 << 10;
+constexpr int64_t kMinVisitTokens = 16;
+
 // How the work is cut: items enumerate (sequence, kv heads, token chunk, split).
 struct Plan {
   int64_t tokens_per_chunk;  // query tokens per item (1 for decode)
@@ -87,14 +105,16 @@ inline Plan make_plan(const AttentionParams& P) {
   const int64_t G = P.num_heads / P.num_kv_heads;
   const int64_t bs = P.block_size;
   const bool multi = P.query_start_loc != nullptr;
-  // One pass over the sequences: the longest one (for the split) and the block x row visits
-  // of the whole call (for the grain below).
+  const int64_t block_elems = bs * P.head_size;
+  const int64_t visit_elems = std::max(bs, kMinVisitTokens) * P.head_size;
+  // One pass over the sequences: the longest one (for the split) and the key elements x query
+  // rows of the whole call (for the grain below).
   int64_t max_len = 0, total_cost = 0;
   for (int64_t s = 0; s < P.num_seqs; ++s) {
     const int64_t len = P.seq_lens[s * P.sl_stride];
     const int64_t rows = multi ? (P.query_start_loc[s + 1] - P.query_start_loc[s]) * G : G;
     max_len = std::max(max_len, len);
-    total_cost += (len + bs - 1) / bs * rows * P.num_kv_heads;
+    total_cost += (len + bs - 1) / bs * rows * P.num_kv_heads * visit_elems;
   }
 
   Plan plan;
@@ -121,14 +141,16 @@ inline Plan make_plan(const AttentionParams& P) {
     // and scattered runs are read much faster when long (benchmarks/scattered_read.cpp, 2
     // cores: 19-26 GB/s for the 4-8 KiB of one head, 29-31 for 32-64 KiB). Too few items
     // for the threads (2 per thread): split the block range of each sequence first (keeping
-    // at least 8 blocks per split so the merge stays negligible), then its kv heads.
+    // kMinSplitElements per split), then its kv heads.
     plan.heads_per_item = P.num_kv_heads;
     plan.head_chunks = 1;
     const int64_t want_items = 2 * P.num_threads;
     if (P.num_threads > 1 && P.num_seqs < want_items) {
       const int64_t max_blocks = (max_len + bs - 1) / bs;
+      const int64_t split_blocks = std::max<int64_t>(
+          1, (kMinSplitElements + block_elems - 1) / std::max<int64_t>(block_elems, 1));
       const int64_t want = (want_items + P.num_seqs - 1) / std::max<int64_t>(P.num_seqs, 1);
-      plan.splits = std::max<int64_t>(1, std::min<int64_t>(want, max_blocks / 8));
+      plan.splits = std::max<int64_t>(1, std::min<int64_t>(want, max_blocks / split_blocks));
       while (P.num_seqs * plan.head_chunks * plan.splits < want_items && plan.heads_per_item > 1) {
         plan.heads_per_item = (plan.heads_per_item + 1) / 2;
         plan.head_chunks = (P.num_kv_heads + plan.heads_per_item - 1) / plan.heads_per_item;
@@ -136,17 +158,15 @@ inline Plan make_plan(const AttentionParams& P) {
     }
     plan.num_items = P.num_seqs * plan.head_chunks * plan.splits;
   }
-  // Fork threads only for enough work: each task covers at least kMinTaskCost block x row
-  // visits (~2 us), and a call forks only when the whole team (at::parallel_for wakes every
-  // thread) has that much each on average. Measured on 2 cores, hot or with the threads
-  // asleep (3 ms between calls), even one block per kv head ran faster on both threads:
-  // B=1, L=16 21 -> 14 us (asleep 37 -> 28), L=128 60 -> 35 us. (512 per task before: calls
-  // up to 16 blocks x 8 kv heads ran alone.)
-  constexpr int64_t kMinTaskCost = 16;
-  plan.grain =
-      total_cost < kMinTaskCost * std::max<int64_t>(P.num_threads, 1)
-          ? std::max<int64_t>(plan.num_items, 1)
-          : std::max<int64_t>(1, (kMinTaskCost * plan.num_items + total_cost - 1) / total_cost);
+  // Fork threads only for enough work: each task covers at least kMinTaskElements (~2 us),
+  // and a call forks only when the whole team (at::parallel_for wakes every thread) has that
+  // much each on average. Measured on 2 cores at block size 16, hot or with the threads asleep
+  // (3 ms between calls), even one block per kv head ran faster on both threads: B=1, L=16
+  // 21 -> 14 us (asleep 37 -> 28), L=128 60 -> 35 us.
+  plan.grain = total_cost < kMinTaskElements * std::max<int64_t>(P.num_threads, 1)
+                   ? std::max<int64_t>(plan.num_items, 1)
+                   : std::max<int64_t>(
+                         1, (kMinTaskElements * plan.num_items + total_cost - 1) / total_cost);
   return plan;
 }
 
