@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <new>
 #include <vector>
@@ -108,13 +109,16 @@ inline Plan make_plan(const AttentionParams& P) {
   const int64_t block_elems = bs * P.head_size;
   const int64_t visit_elems = std::max(bs, kMinVisitTokens) * P.head_size;
   // One pass over the sequences: the longest one (for the split) and the key elements x query
-  // rows of the whole call (for the grain below).
-  int64_t max_len = 0, total_cost = 0;
+  // rows of the whole call (for the grain below; a double: a long prefill's tokens x rows x
+  // head size can pass 2^63).
+  int64_t max_len = 0;
+  double total_cost = 0;
   for (int64_t s = 0; s < P.num_seqs; ++s) {
     const int64_t len = P.seq_lens[s * P.sl_stride];
     const int64_t rows = multi ? (P.query_start_loc[s + 1] - P.query_start_loc[s]) * G : G;
     max_len = std::max(max_len, len);
-    total_cost += (len + bs - 1) / bs * rows * P.num_kv_heads * visit_elems;
+    total_cost += static_cast<double>((len + bs - 1) / bs) * static_cast<double>(rows) *
+                  static_cast<double>(P.num_kv_heads * visit_elems);
   }
 
   Plan plan;
@@ -163,10 +167,12 @@ inline Plan make_plan(const AttentionParams& P) {
   // much each on average. Measured on 2 cores at block size 16, hot or with the threads asleep
   // (3 ms between calls), even one block per kv head ran faster on both threads: B=1, L=16
   // 21 -> 14 us (asleep 37 -> 28), L=128 60 -> 35 us.
-  plan.grain = total_cost < kMinTaskElements * std::max<int64_t>(P.num_threads, 1)
+  const double task = static_cast<double>(kMinTaskElements);
+  plan.grain = total_cost < task * static_cast<double>(std::max<int64_t>(P.num_threads, 1))
                    ? std::max<int64_t>(plan.num_items, 1)
-                   : std::max<int64_t>(
-                         1, (kMinTaskElements * plan.num_items + total_cost - 1) / total_cost);
+                   : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(
+                                              task * static_cast<double>(plan.num_items) /
+                                              total_cost)));
   return plan;
 }
 
