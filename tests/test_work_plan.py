@@ -25,7 +25,7 @@ CASES = {
     # A long lone sequence with idle threads: its blocks split into 2 items per thread.
     "decode_long_split_2_threads": "lens=16384 heads=32/8 bs=16 threads=2 splits=4 hpi=8",
     "decode_long_split_16_threads_mqa": "lens=16384 heads=8/1 bs=16 threads=16 splits=32",
-    # Too few blocks to split (< 16): the kv heads are spread over items instead.
+    # Too few blocks to split (2 splits need 64 here): the kv heads are spread over items.
     "decode_short_heads_spread": "lens=20 heads=32/8 bs=16 threads=16 splits=1 hpi=1 items=8",
     # 16 tokens at block size 1 are 2 Ki key elements per kv head, less than a split's 64 Ki.
     "decode_heads_halve_unevenly": "lens=16 heads=24/3 bs=1 threads=2 splits=1 hpi=1 items=3",

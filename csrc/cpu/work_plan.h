@@ -151,8 +151,8 @@ inline Plan make_plan(const AttentionParams& P) {
     const int64_t want_items = 2 * P.num_threads;
     if (P.num_threads > 1 && P.num_seqs < want_items) {
       const int64_t max_blocks = (max_len + bs - 1) / bs;
-      const int64_t split_blocks = std::max<int64_t>(
-          1, (kMinSplitElements + block_elems - 1) / std::max<int64_t>(block_elems, 1));
+      // >= 1: the op checks block_size and head_size >= 1.
+      const int64_t split_blocks = (kMinSplitElements + block_elems - 1) / block_elems;
       const int64_t want = (want_items + P.num_seqs - 1) / std::max<int64_t>(P.num_seqs, 1);
       plan.splits = std::max<int64_t>(1, std::min<int64_t>(want, max_blocks / split_blocks));
       while (P.num_seqs * plan.head_chunks * plan.splits < want_items && plan.heads_per_item > 1) {
@@ -167,12 +167,11 @@ inline Plan make_plan(const AttentionParams& P) {
   // much each on average. Measured on 2 cores at block size 16, hot or with the threads asleep
   // (3 ms between calls), even one block per kv head ran faster on both threads: B=1, L=16
   // 21 -> 14 us (asleep 37 -> 28), L=128 60 -> 35 us.
-  const double task = static_cast<double>(kMinTaskElements);
+  const double task = kMinTaskElements, items = plan.num_items;
   plan.grain = total_cost < task * static_cast<double>(std::max<int64_t>(P.num_threads, 1))
                    ? std::max<int64_t>(plan.num_items, 1)
-                   : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(
-                                              task * static_cast<double>(plan.num_items) /
-                                              total_cost)));
+                   : std::max<int64_t>(
+                         1, static_cast<int64_t>(std::ceil(task * items / total_cost)));
   return plan;
 }
 
