@@ -61,7 +61,8 @@ int main() {
   };
   std::printf("%d threads, GB/s\n", threads);
   std::printf("%10s %12s %12s\n", "run", "no prefetch", "prefetch");
-  for (size_t kib : {4, 8, 16, 32, 64, 128})
-    std::printf("%7zu KiB %12.1f %12.1f\n", kib, gbs(kib << 10, true, false), gbs(kib << 10, true, true));
+  // From 256 B: one kv head of one block at block sizes 1-4 (head size 128, 16-bit or fp32).
+  for (size_t bytes : {256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072})
+    std::printf("%10zu B %11.1f %12.1f\n", bytes, gbs(bytes, true, false), gbs(bytes, true, true));
   std::printf("%10s %12.1f\n", "in order", gbs(64 << 10, false, false));
 }
