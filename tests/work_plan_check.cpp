@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/work_plan.h"
@@ -27,6 +28,19 @@
 using namespace paged::cpu;
 
 namespace {
+
+// Cache dtypes by the names the dtype= key takes (and describe prints).
+constexpr std::pair<const char*, DType> kDTypeNames[] = {{"fp32", DType::F32},
+                                                        {"fp16", DType::F16},
+                                                        {"bf16", DType::BF16},
+                                                        {"fp8_e4m3", DType::F8E4M3},
+                                                        {"fp8_e5m2", DType::F8E5M2}};
+
+const char* dtype_name(DType t) {
+  for (const auto& [name, u] : kDTypeNames)
+    if (u == t) return name;
+  return "?";
+}
 
 struct Case {
   std::vector<int32_t> lens, q_lens;
@@ -45,7 +59,7 @@ struct Case {
     }
     o << " heads=" << heads << "/" << kv_heads << " bs=" << bs << " threads=" << threads
       << " window=" << window << " stride=" << stride << " d=" << d
-      << " dtype=" << static_cast<int>(dtype);
+      << " dtype=" << dtype_name(dtype);
     return o.str();
   }
 };
@@ -341,13 +355,8 @@ Case parse_case(int argc, char** argv) {
       c.heads = std::stoll(v.substr(0, sl));
       c.kv_heads = std::stoll(v.substr(sl + 1));
     } else if (k == "dtype") {
-      const std::pair<const char*, DType> names[] = {{"fp32", DType::F32},
-                                                     {"fp16", DType::F16},
-                                                     {"bf16", DType::BF16},
-                                                     {"fp8_e4m3", DType::F8E4M3},
-                                                     {"fp8_e5m2", DType::F8E5M2}};
       bool found = false;
-      for (const auto& [name, t] : names)
+      for (const auto& [name, t] : kDTypeNames)
         if (v == name) c.dtype = t, found = true;
       if (!found) {
         std::printf("dtype=fp32|fp16|bf16|fp8_e4m3|fp8_e5m2, got '%s'\n", v.c_str());
