@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 import paged_ops
-from paged_ops.demo import greedy_mismatches
+
+from ._demo_check import greedy_mismatches
 
 
 def _tiny_llama(tp: int):

@@ -31,6 +31,8 @@ import torch
 
 import paged_ops
 
+from ._demo_check import greedy_mismatches
+
 
 def run_decode_demo(device: str = "cpu", steps: int = 8, block_size: int = 16) -> float:
     torch.manual_seed(0)
@@ -144,21 +146,6 @@ class _Progress:
     def close(self) -> None:
         if self.tty:
             self.stream.write("\n")
-
-
-def greedy_mismatches(model, prompts, outs, max_new: int, device) -> int:
-    """How many branches of ``outs[i]`` differ from transformers' greedy ``generate`` on
-    ``prompts[i]``."""
-    bad = 0
-    with torch.no_grad():
-        for p, branches in zip(prompts, outs, strict=True):
-            ids = torch.tensor([p], device=device)
-            # all-ones mask: generate would otherwise mask prompt tokens == pad_token_id
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_new, do_sample=False,
-                                 pad_token_id=0)[0, len(p):].tolist()
-            bad += sum(b != ref for b in branches)
-    return bad
 
 
 def _plot(stats, engine, path: str) -> str | None:
