@@ -89,7 +89,7 @@ def test_greedy_matches_transformers(setup):
     outs = engine.generate(prompts, MAX_NEW)
     _check(outs, refs, 1)
     st = engine.stats
-    # Everything fits: one packed prefill of all prompts, then decode steps only.
+    # Everything fits the step budget: one prefill step of all prompts, then decode steps.
     assert st.prefill_steps == 1 and st.preemptions == 0 and st.deferred_admissions == 0
     assert st.tokens_generated == len(prompts) * MAX_NEW
     assert st.decode_steps == MAX_NEW - 1
@@ -258,7 +258,7 @@ def test_prefix_caching_matches_transformers(setup, shared_prefix):
     outs = engine.generate(prompts, PREFIX_MAX_NEW, n=2)
     _check(outs, refs, 2)
     st = engine.stats
-    # One packed prefill: the first prompt registers the prefix's two full blocks, every later
+    # One prefill step: the first prompt registers the prefix's two full blocks, every later
     # prompt of the same batch reuses them and computes only its own suffix (from position 32).
     assert st.prefill_steps == 1 and st.preemptions == 0 and st.forks == len(prompts)
     assert st.cached_prompt_tokens == 32 * (len(prompts) - 1)
@@ -276,7 +276,7 @@ def test_prefix_caching_matches_transformers(setup, shared_prefix):
     assert st.prefill_tokens == st.prompt_tokens - st.cached_prompt_tokens
     assert 0 < st.prefix_cache_hit_rate < 1
     _check_pool_empty(engine)
-    # With prefix caching off nothing is served from the cache (the SDPA prefill path).
+    # With prefix caching off nothing is served from the cache.
     plain = PagedEngine(model, num_blocks=64, block_size=16)
     assert plain.generate(prompts[:2], 4) == [[r[:4]] for r in refs[:2]]
     assert plain.stats.cached_prompt_tokens == 0
@@ -284,13 +284,13 @@ def test_prefix_caching_matches_transformers(setup, shared_prefix):
 
 
 def test_prefix_caching_gathered_sdpa_fallback(setup, shared_prefix):
-    """The fallback for devices whose kernel lacks the multi-token op (gather + SDPA), forced
-    on the CPU."""
+    """The fallback for devices whose kernel lacks the multi-token op (gather + plain torch),
+    forced on the CPU."""
     model = setup[0]
     prompts, refs, _ = shared_prefix
     engine = PagedEngine(model, num_blocks=64, block_size=16, enable_prefix_caching=True)
-    assert engine._native_multi_token  # the CPU kernel takes query_start_loc
-    engine._native_multi_token = False
+    assert engine.runner.native_multi_token  # the CPU kernel takes query_start_loc
+    engine.runner.native_multi_token = False
     outs = engine.generate(prompts[::-1], 8)
     _check(outs, [r[:8] for r in refs[::-1]], 1)
     assert engine.stats.cached_prompt_tokens == 32 * (len(prompts) - 1)
@@ -343,12 +343,12 @@ def _run_logged(model, prompts, max_new, **kw):
     return engine, [o[0] for o in outs], per_seq
 
 
-@pytest.mark.parametrize("caching", [False, True], ids=["sdpa-prefill", "paged-prefill"])
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
 def test_fp8_cache_logits_close_to_fp32(setup, caching):
     """fp8 (e4m3, calibrated scales) vs fp32 cache: prefill + decode logits within
     FP8_REL_BOUND of the logit range; greedy tokens agree wherever the fp32 top-1 margin
-    exceeds twice the fp8 logit error. Without prefix caching the prefill attends over its
-    own fresh keys/values (only decode reads fp8); with it, the prefill reads fp8 too."""
+    exceeds twice the fp8 logit error. Prefill and decode both attend over the fp8 cache,
+    with and without prefix caching."""
     model, prompts, _, _ = setup
     kw = dict(num_blocks=64, block_size=16, enable_prefix_caching=caching)
     _, base, ref_logits = _run_logged(model, prompts, FP8_STEPS, **kw)

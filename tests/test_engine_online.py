@@ -87,9 +87,9 @@ def test_abort_waiting_running_and_swapped(online_setup):
     for _ in range(60):
         for out in engine.step():
             got[out.request_id] = out.token_ids
-        waiting = {g.request.request_id for g in engine._waiting}
-        running = {g.request.request_id for g in engine._running}
-        swapped = {g.request.request_id for g in engine._swapped}
+        waiting = {g.request.request_id for g in engine.scheduler.waiting}
+        running = {g.request.request_id for g in engine.scheduler.running}
+        swapped = {g.request.request_id for g in engine.scheduler.swapped}
         if waiting and running and swapped:
             states = dict(waiting=min(waiting), running=max(running), swapped=min(swapped))
             if len(set(states.values())) == 3 and ids[5] not in states.values():
@@ -102,10 +102,10 @@ def test_abort_waiting_running_and_swapped(online_setup):
         assert len(bm) <= seqs and (bm.stats().used_blocks < used
                                     or bm.stats().cpu_used_blocks < cpu_used
                                     or rid == states["waiting"])
+    sch = engine.scheduler
     assert not any(g.request.request_id in aborted
-                   for q in (engine._waiting, engine._running, engine._swapped) for g in q)
-    held = {b.seq_id for q in (engine._running, engine._swapped) for g in q
-            for b in g.branches}
+                   for q in (sch.waiting, sch.running, sch.swapped) for g in q)
+    held = {b.seq_id for q in (sch.running, sch.swapped) for g in q for b in g.branches}
     assert set(bm.seq_ids()) == held  # nothing of the aborted requests is left
     reported = {o.request_id: o for o in engine.step()}
     for rid in aborted:

@@ -9,12 +9,16 @@
   to it (``model.set_attn_implementation``). Every forward pass gets the step's paged metadata
   (slot mapping, block tables, sequence lengths) through a ``paged_ctx`` keyword argument that
   transformers forwards to the attention function of every layer (:mod:`.attention`);
-* scheduling is continuous batching (:mod:`.scheduler`): each step is one packed prefill of
-  newly admitted requests or one decode step of every running sequence; pool exhaustion
-  preempts the most recently admitted group, by recompute or by swapping to a CPU pool. No
-  generated token is ever lost;
+* each step is one forward pass (:mod:`.scheduler` decides it, :mod:`.runner` runs it): the
+  running sequences' decode rows first, then prompt chunks up to ``max_num_batched_tokens``
+  (chunked prefill: a long prompt is prefilled over several steps while the others keep
+  decoding). Every layer writes the step's keys/values into the paged cache and attends over
+  it with ``torch.ops.paged.attention`` (``query_start_loc`` for several rows per sequence).
+  Pool exhaustion preempts the most recently admitted group, by recompute or by swapping to a
+  CPU pool. No generated token is ever lost;
 * tokens (:mod:`.sampling`, :mod:`.beam`): greedy, or sampled in fp32 (temperature, top-k,
-  top-p) with a generator per branch, so a branch's tokens do not depend on its batches;
+  top-p), batched over the step's rows, with a generator per branch, so a branch's tokens do
+  not depend on its batches or on chunking; optional logprobs;
   ``n > 1`` branches share the prompt's blocks (``BlockManager.fork``) and diverge by
   copy-on-write (``paged_ops.copy_blocks``); beam search equals transformers' and forks the
   surviving beams from their parents each step, freeing the dropped ones;

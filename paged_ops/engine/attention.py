@@ -15,18 +15,19 @@ class StepContext:
     """What the attention function of every layer needs for one forward pass.
 
     ``key_caches``/``value_caches``: one paged cache per layer. ``slot_mapping``: int64 slot of
-    every token of the step (in input order). Decode: ``block_tables`` (int32
-    ``[num_seqs, width]``) and ``seq_lens`` (int32, lengths including the new token). SDPA
-    prefill: ``positions`` and ``segments`` (int64 ``[num_tokens]``, position in its sequence
-    and index of its sequence) when several sequences are packed (and always under
-    torch.compile), else ``None`` (plain causal). Paged prefill (prefix caching): also
-    ``block_tables``, ``seq_lens`` and ``query_start_loc`` (int32 ``[num_seqs + 1]``): each
-    sequence's query rows are its last ``q_len`` positions, attended over the paged cache;
+    every token of the step (in input order; ``-1``: a padding token, not written).
+    ``block_tables`` (int32 ``[num_seqs, width]``) and ``seq_lens`` (int32, each sequence's
+    length including this step's tokens) of the step's sequences. ``query_start_loc``: int32
+    ``[num_seqs + 1]``, each sequence's rows of the packed tokens (its last ``q_len``
+    positions); ``None`` when every sequence has exactly one row (the op's decode form).
     ``gather`` is ``None`` when the multi-token op runs on this device, else the host-side
-    ``(block ids, seq_len, q_len)`` of each sequence for the gathered-SDPA fallback.
+    ``(block ids, seq_len, q_len)`` of each sequence for the gathered fallback.
     ``k_scales``/``v_scales``: one fp32 one-element scale tensor per layer for fp8 caches
     (``None`` otherwise); ``calibrate``: set each layer's scales from this step's keys/values
-    before writing them (fp8 with ``kv_scale="auto"``, first prefill only).
+    before writing them (fp8 with ``kv_scale="auto"``, first forward pass only).
+    ``is_prefill`` says whether the step computes prompt positions (informational);
+    ``positions`` and ``segments`` are accepted and not read (every step attends over the
+    paged cache, so no packed-sequence mask is built).
     """
 
     __slots__ = ("is_prefill", "key_caches", "value_caches", "slot_mapping", "block_tables",
@@ -52,10 +53,12 @@ class StepContext:
         self.scale_target = scale_target
 
 
-def _gathered_attention(query, key_cache, value_cache, seqs, scale, window, k_scale, v_scale):
+def _gathered_attention(query, key_cache, value_cache, seqs, scale, window, softcap, k_scale,
+                        v_scale):
     """Multi-token paged attention in plain torch (fallback where the op rejects a multi-token
     call on the model's device): per sequence, gather its positions ``0..L-1`` from the paged
-    cache (dequantised for fp8) and run SDPA with the causal mask of its last ``q_len`` positions.
+    cache (dequantised for fp8) and attend from its last ``q_len`` positions, causally, with
+    the op's window and soft cap.
 
     ``query``: ``[T, H, D]``; ``seqs``: host-side ``(block ids, L, q_len)`` per sequence, in
     query order. Returns ``[T, H, D]``.
@@ -67,23 +70,27 @@ def _gathered_attention(query, key_cache, value_cache, seqs, scale, window, k_sc
     outs = []
     start = 0
     for blocks, L, q_len in seqs:
+        if q_len == 0:
+            continue
         idx = torch.tensor(blocks, dtype=torch.long, device=query.device)
         k = key_cache[idx].permute(0, 3, 1, 2, 4).reshape(-1, hkv, d)[:L]
         v = value_cache[idx].permute(0, 3, 1, 2).reshape(-1, hkv, d)[:L]
         if fp8:
             k, v = k.float() * k_scale, v.float() * v_scale
-        k = k.to(query.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-        v = v.to(query.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-        q = query[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+        k = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, D]
+        v = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        q = query[start:start + q_len].float().transpose(0, 1)  # [H, q_len, D]
+        z = torch.matmul(q, k.transpose(1, 2)) * scale
+        if softcap > 0:
+            z = softcap * torch.tanh(z / softcap)
         pq = torch.arange(L - q_len, L, device=query.device)[:, None]
         pk = torch.arange(L, device=query.device)[None, :]
-        mask = pk <= pq
+        visible = pk <= pq
         if window > 0:
-            mask = mask & (pq - pk < window)
-        out = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None],
-                                                               attn_mask=mask[None, None],
-                                                               scale=scale)
-        outs.append(out[0].transpose(0, 1))
+            visible = visible & (pq - pk < window)
+        z = z.masked_fill(~visible, float("-inf"))
+        out = torch.matmul(z.softmax(-1), v)
+        outs.append(out.transpose(0, 1).to(query.dtype))
         start += q_len
     return torch.cat(outs)
 
@@ -92,90 +99,55 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0,
                             paged_ctx: StepContext | None = None, sliding_window=None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
+                            softcap=None, **kwargs) -> tuple[torch.Tensor, None]:
     """The attention function registered with transformers as ``"paged_ops"``.
 
     Called by each attention layer with ``query [B, H, q_len, D]``, ``key``/``value``
     ``[B, Hkv, q_len, D]`` (after RoPE) and ``module.layer_idx``; returns
     ``(attn_output [B, q_len, H, D], None)``. With a ``paged_ctx`` (set by
-    :class:`PagedEngine`) it writes ``key``/``value`` into layer ``module.layer_idx``'s paged
-    cache and attends: decode (``B`` sequences, ``q_len == 1``) with
-    ``torch.ops.paged.attention``; prefill (``B == 1``, one or several packed prompts) with SDPA
-    over the step's own keys/values, or (prefix caching: ``paged_ctx.query_start_loc`` set)
-    with ``torch.ops.paged.attention`` over the paged cache, several query tokens per
-    sequence. fp8 caches get ``paged_ctx``'s per-layer scales. Without ``paged_ctx`` (the
-    model called outside the engine, e.g. by ``model.generate``) it falls back to
-    transformers' SDPA attention.
+    :class:`PagedEngine`: one packed row, ``B == 1``) it writes every token's key/value into
+    layer ``module.layer_idx``'s paged cache, then attends over the cache with
+    ``torch.ops.paged.attention``: one query row per sequence (decode form) or, with
+    ``paged_ctx.query_start_loc``, several causal rows per sequence (prompt chunks, mixed
+    with decode rows). The layer's ``sliding_window`` and ``softcap`` (Gemma 2 style logit
+    soft capping) go to the op; fp8 caches get ``paged_ctx``'s per-layer scales. Without
+    ``paged_ctx`` (the model called outside the engine, e.g. by ``model.generate``) it falls
+    back to transformers' SDPA attention. Attention sinks (``s_aux``) are not supported.
     """
     if paged_ctx is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        if softcap is not None:
+            kwargs["softcap"] = softcap
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("paged_ops attention: softcap / attention sinks not supported")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("paged_ops attention: attention sinks (s_aux) not supported")
     ctx = paged_ctx
     layer = module.layer_idx
     key_cache, value_cache = ctx.key_caches[layer], ctx.value_caches[layer]
-    head_dim = query.shape[-1]
-    scale = float(scaling) if scaling is not None else head_dim ** -0.5
+    b, h, q_len, d = query.shape
+    scale = float(scaling) if scaling is not None else d ** -0.5
     window = int(sliding_window) if sliding_window else -1
+    cap = float(softcap) if softcap else 0.0
     k_scale = v_scale = None
     if ctx.k_scales is not None:
         k_scale, v_scale = ctx.k_scales[layer], ctx.v_scales[layer]
         if ctx.calibrate:
             calibrate_scales(key, value, k_scale, v_scale, ctx.scale_target)
-    if not ctx.is_prefill:
-        # Decode: query [B, H, 1, D] -> [B, H, D]; the new token's K/V go to its slot first.
-        torch.ops.paged.reshape_and_cache(key[:, :, 0, :], value[:, :, 0, :], key_cache,
-                                          value_cache, ctx.slot_mapping, k_scale, v_scale)
-        out = torch.ops.paged.attention(query[:, :, 0, :], key_cache, value_cache,
-                                        ctx.block_tables, ctx.seq_lens, scale, None, window,
-                                        0.0, k_scale, v_scale, None)
-        return out.unsqueeze(1), None
-    if ctx.query_start_loc is not None:
-        # Paged prefill: one row of T packed tokens, each sequence's uncached suffix. Write
-        # the suffix's K/V first, then attend over the paged cache, which also holds the
-        # cached prefix (several query tokens per sequence: query_start_loc).
-        k_tok = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
-        v_tok = value[0].transpose(0, 1).contiguous()
-        torch.ops.paged.reshape_and_cache(k_tok, v_tok, key_cache, value_cache,
-                                          ctx.slot_mapping, k_scale, v_scale)
-        q_tok = query[0].transpose(0, 1).contiguous()  # [T, H, D]
-        if ctx.gather is None:
-            out = torch.ops.paged.attention(q_tok, key_cache, value_cache, ctx.block_tables,
-                                            ctx.seq_lens, scale, None, window, 0.0, k_scale,
-                                            v_scale, None, ctx.query_start_loc)
-        else:
-            out = _gathered_attention(q_tok, key_cache, value_cache, ctx.gather, scale,
-                                      window, k_scale, v_scale)
-        return out.unsqueeze(0), None
-    # Prefill: one row of T packed tokens. Cache the keys/values, attend over the step's own.
-    k_tok = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
-    v_tok = value[0].transpose(0, 1).contiguous()
+    # Token-major views: [B * q_len, heads, D] (the op reads any row stride of keys/values).
+    k_tok = key.transpose(1, 2).reshape(b * q_len, key.shape[1], d)
+    v_tok = value.transpose(1, 2).reshape(b * q_len, value.shape[1], d)
     torch.ops.paged.reshape_and_cache(k_tok, v_tok, key_cache, value_cache, ctx.slot_mapping,
                                       k_scale, v_scale)
-    group = query.shape[1] // key.shape[1]
-    if group > 1:
-        key = key.repeat_interleave(group, dim=1)
-        value = value.repeat_interleave(group, dim=1)
-    if ctx.segments is None and window <= 0:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value,
-                                                               is_causal=True, scale=scale)
+    q_tok = query.transpose(1, 2).reshape(b * q_len, h, d).contiguous()
+    if ctx.gather is not None:
+        out = _gathered_attention(q_tok, key_cache, value_cache, ctx.gather, scale, window,
+                                  cap, k_scale, v_scale)
     else:
-        T = query.shape[2]
-        if ctx.segments is None:
-            pos = torch.arange(T, device=query.device)
-            mask = pos[:, None] >= pos[None, :]
-        else:
-            pos = ctx.positions
-            seg = ctx.segments
-            mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
-        if window > 0:
-            mask = mask & (pos[:, None] - pos[None, :] < window)
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value,
-                                                               attn_mask=mask[None, None],
-                                                               scale=scale)
-    return out.transpose(1, 2), None
+        out = torch.ops.paged.attention(q_tok, key_cache, value_cache, ctx.block_tables,
+                                        ctx.seq_lens, scale, None, window, cap, k_scale,
+                                        v_scale, None, ctx.query_start_loc)
+    return out.view(b, q_len, h, d), None
 
 
 def register_paged_attention(name: str = ATTN_IMPLEMENTATION) -> str:

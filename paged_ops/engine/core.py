@@ -1,24 +1,24 @@
-"""The :class:`PagedEngine`: its constructor, public API and the step loop that turns each
-forward pass's logits into tokens (sampling or beam search), branches and outputs."""
+"""The :class:`PagedEngine`: its constructor, public API and the step loop: the scheduler
+decides the step (:class:`~.scheduler.Scheduler`), the runner runs its one forward pass
+(:class:`~.runner.ModelRunner`), the sampler turns the logits into tokens
+(:class:`~.sampling.Sampler`, or beam search), and the engine updates branches and outputs."""
 
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .._api import allocate_kv_cache
 from ..block_manager import BlockManager
 from .attention import ATTN_IMPLEMENTATION, register_paged_attention
 from .fp8 import FP8_DTYPES, make_kv_scales
 from .request import Branch, Request, RequestOutput, SeqGroup
-from .runner import StepRunnerMixin
-from .sampling import SamplingParams, branch_generator, sample_next_tokens
-from .scheduler import SchedulerMixin
-from .stats import EngineStats, StepRecord
+from .runner import ModelRunner
+from .sampling import Sampler, SamplingParams, branch_generator
+from .scheduler import Scheduler, SchedulerOutput
+from .stats import StatsCollector, StepRecord
 from .tp import tp_layout
 
 
@@ -26,7 +26,7 @@ class EngineOverloaded(RuntimeError):
     """:meth:`PagedEngine.add_request` while ``max_waiting_requests`` requests are waiting."""
 
 
-class PagedEngine(SchedulerMixin, StepRunnerMixin):
+class PagedEngine:
     """Continuous-batching generation for a transformers decoder-only model over paged KV:
     greedy, sampling (``n`` branches sharing the prompt's blocks) and beam search, offline
     (:meth:`generate`) or online (:meth:`add_request`, :meth:`step`, :meth:`abort`,
@@ -53,14 +53,16 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
             back to recompute when the CPU pool is full). Default: ``"swap"`` if
             ``num_cpu_blocks > 0`` else ``"recompute"``.
         max_num_seqs: most sequences running at once.
-        max_num_batched_tokens: most prompt tokens packed into one prefill step (a longer
-            prompt still runs, alone).
+        max_num_batched_tokens: the token budget of one step (one forward pass): the running
+            sequences' decode rows (one token each) come first and always run, prompt chunks
+            fill the rest. A prompt longer than what is left is prefilled in chunks over
+            several steps, while the running sequences keep decoding (chunked prefill).
         watermark: fraction of the pool kept free when admitting a request while others run
             (headroom for their growth, fewer preemptions right after admission).
-        compile: ``True`` wraps the model forward in ``torch.compile(dynamic=True)`` for both
-            prefill and decode steps; ``"decode"`` compiles the decode steps only; a ``dict`` is
-            passed to ``torch.compile`` as keyword arguments (both steps, ``dynamic=True``
-            unless given).
+        compile: ``True`` wraps the model forward in ``torch.compile(dynamic=True)`` for every
+            step; ``"decode"`` compiles the steps of decode rows only (steps with prompt chunks
+            run eagerly); a ``dict`` is passed to ``torch.compile`` as keyword arguments (every
+            step, ``dynamic=True`` unless given).
         eos_token_id: token id(s) that end a branch; default: the model's
             ``generation_config.eos_token_id`` (``None``: stop only at ``max_new_tokens``).
         step_callback: called as ``step_callback(engine, record)`` after every step (progress
@@ -70,18 +72,18 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
             its whole prefix); a new request (or a sequence readmitted after a recompute
             preemption) whose leading full blocks are registered, in a running sequence or
             in a finished one whose blocks are still cached (ref count 0, evicted LRU only
-            when the pool needs them), reuses them and prefills only the rest: the prefill
-            step then runs ``torch.ops.paged.attention`` with ``query_start_loc`` over the
-            paged cache for every prefill, instead of SDPA over the step's own keys/values.
-            Decode steps register the blocks they fill too. ``stats.cached_prompt_tokens``
-            counts the positions served from the cache. Cached blocks outlive
-            :meth:`generate`, so a later call hits blocks of an earlier one.
+            when the pool needs them), reuses them and prefills only the rest (attention runs
+            over the paged cache, which holds the reused prefix). A block is registered in the
+            step that writes it (prompt chunks and decode rows alike).
+            ``stats.cached_prompt_tokens`` counts the positions served from the cache. Cached
+            blocks outlive :meth:`generate`, so a later call hits blocks of an earlier one.
         kv_cache_dtype: element type of the KV caches: the model's dtype (default), or
             ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (half or a quarter of the
             memory; stored = ``x / scale`` saturated, read = ``stored * scale``).
         kv_scale: fp8 only: the per-tensor scales. ``"auto"`` (default): one key scale and
-            one value scale per layer, calibrated once, on the engine's first prefill step,
-            from that step's keys/values: ``scale = amax / (finfo.max / KV_SCALE_HEADROOM)``
+            one value scale per layer, calibrated once, on the engine's first forward pass
+            (the first prompt chunks), from that step's keys/values:
+            ``scale = amax / (finfo.max / KV_SCALE_HEADROOM)``
             (headroom 4: later values up to 4x the calibration amax still fit; fp8's
             relative precision does not depend on the scale, the headroom only moves the
             underflow threshold by two binades). The scales never change afterwards (cached
@@ -158,98 +160,52 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
                              f"fp8 type ({FP8_DTYPES}), got {kv_cache_dtype}")
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_scale = kv_scale
-        # fp8: one key and one value scale per layer (calibrated on the first prefill).
-        self.k_scales, self.v_scales, self._calibrate, self._scale_target = make_kv_scales(
-            kv_cache_dtype, kv_scale, self.num_layers, self.device)
+        # Checked before anything is allocated.
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 or None, "
+                             f"got {max_waiting_requests}")
 
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                           enable_prefix_caching=self.enable_prefix_caching)
-        self.key_caches: list[torch.Tensor] = []
-        self.value_caches: list[torch.Tensor] = []
-        for _ in range(self.num_layers):
-            k, v = allocate_kv_cache(self.num_blocks, self.num_kv_heads, self.head_dim,
-                                     self.block_size, kv_cache_dtype, self.device)
-            if compile:
-                # Fixed shapes: no symbolic sizes (nor duck-sizing guards) for the caches.
-                torch._dynamo.mark_static(k)
-                torch._dynamo.mark_static(v)
-            self.key_caches.append(k)
-            self.value_caches.append(v)
-        self.cpu_key_caches: list[torch.Tensor] = []
-        self.cpu_value_caches: list[torch.Tensor] = []
-        if self.num_cpu_blocks:
-            pin = self.device.type == "cuda"
-            for _ in range(self.num_layers):
-                k, v = allocate_kv_cache(self.num_cpu_blocks, self.num_kv_heads, self.head_dim,
-                                         self.block_size, kv_cache_dtype, "cpu")
-                if pin:
-                    k, v = k.pin_memory(), v.pin_memory()
-                self.cpu_key_caches.append(k)
-                self.cpu_value_caches.append(v)
+        k_scales, v_scales, calibrate, scale_target = make_kv_scales(
+            kv_cache_dtype, kv_scale, self.num_layers, self.device)
 
         register_paged_attention(ATTN_IMPLEMENTATION)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         model.eval()
 
-        # Prefix caching prefills over the paged cache with the multi-token op; where the op
-        # rejects a multi-token call on the model's device (probed once), a gathered-SDPA
-        # fallback runs (eagerly).
-        self._native_multi_token = True
-        if self.enable_prefix_caching:
-            self._native_multi_token = self._probe_multi_token()
-
-        self._prefill_fn = self._decode_fn = self._forward
-        self._min_decode_batch = 2 if compile else 1
-        self._compile_prefill = False
-        if compile:
-            opts = dict(compile) if isinstance(compile, dict) else {}
-            opts.setdefault("dynamic", True)
-            compiled = torch.compile(self._forward, **opts)
-            self._decode_fn = compiled
-            if compile != "decode" and self._native_multi_token:
-                self._prefill_fn = compiled
-                self._compile_prefill = True
+        self.runner = ModelRunner(
+            model, self.block_manager, num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=self.block_size,
+            num_blocks=self.num_blocks, num_cpu_blocks=self.num_cpu_blocks,
+            kv_cache_dtype=kv_cache_dtype, device=self.device, dtype=self.dtype,
+            num_heads=self.num_heads, compile=compile, k_scales=k_scales, v_scales=v_scales,
+            calibrate=calibrate, scale_target=scale_target)
+        # fp8: one key and one value scale per layer (calibrated on the first forward pass).
+        self.k_scales, self.v_scales = k_scales, v_scales
+        self.key_caches, self.value_caches = self.runner.key_caches, self.runner.value_caches
+        self.cpu_key_caches = self.runner.cpu_key_caches
+        self.cpu_value_caches = self.runner.cpu_value_caches
         self.compile = compile
+        self.sampler = Sampler()
         #: ``(seqs, logits)`` of the latest step: ``seqs`` lists the ``(request, branch)`` of
-        #: each logits row (prefill: one row per admitted sequence, before its forks).
+        #: each logits row (one row per sequence whose last token the step computed: decode
+        #: rows and completed prefills, the latter before their forks).
         self.last_step_logits: tuple[list[tuple[int, int]], torch.Tensor] | None = None
-
-        if max_waiting_requests is not None and max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0 or None, "
-                             f"got {max_waiting_requests}")
         self.max_waiting_requests = max_waiting_requests
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            watermark_blocks=self.watermark_blocks, preemption_mode=preemption_mode,
+            enable_prefix_caching=self.enable_prefix_caching, num_blocks=self.num_blocks)
         self._next_seq_id = 0
         self._next_request_id = 0
         self._requests: dict[int, Request] = {}
-        self._waiting: deque[SeqGroup] = deque()
-        self._swapped: deque[SeqGroup] = deque()
-        self._running: list[SeqGroup] = []
         self._pending: list[RequestOutput] = []  # outputs of requests finished between steps
         self._touched: dict[int, Request] = {}
+        self._collector = StatsCollector(self.num_blocks, self.block_size)
         self.reset_stats()
-
-    def _probe_multi_token(self) -> bool:
-        """Whether ``torch.ops.paged.attention`` takes ``query_start_loc`` on the model's
-        device: always on the CPU; elsewhere tried once on a one-block cache."""
-        if self.device.type == "cpu":
-            return True
-        dev = self.device
-        k, v = allocate_kv_cache(1, self.num_kv_heads, self.head_dim, self.block_size,
-                                 self.kv_cache_dtype, dev)
-        k.view(torch.uint8).zero_()
-        v.view(torch.uint8).zero_()
-        q = torch.zeros(1, self.num_heads, self.head_dim, dtype=self.dtype, device=dev)
-        one = torch.ones(1, dtype=torch.int32, device=dev)
-        try:
-            torch.ops.paged.attention(
-                q, k, v, torch.zeros(1, 1, dtype=torch.int32, device=dev), one, 1.0, None, -1,
-                0.0, None if self.k_scales is None else self.k_scales[0],
-                None if self.v_scales is None else self.v_scales[0], None,
-                torch.tensor([0, 1], dtype=torch.int32, device=dev))
-        except RuntimeError:
-            return False
-        return True
 
     # ------------------------------------------------------------------ properties
     @property
@@ -267,9 +223,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
     # ------------------------------------------------------------------ online API
     def reset_stats(self) -> None:
         """Start :attr:`stats` afresh (:meth:`generate` does it at its start)."""
-        self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
-        self._t0 = time.perf_counter()
-        self._preemptions_before = 0
+        self.stats = self.scheduler.stats = self._collector.reset()
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
@@ -302,7 +256,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
                 f"positions)")
 
     def _num_waiting_requests(self) -> int:
-        return len({id(g.request) for g in self._waiting})
+        return self.scheduler.num_waiting_requests()
 
     def add_request(self, prompt_token_ids: Sequence[int],
                     params: SamplingParams | None = None) -> int:
@@ -335,10 +289,11 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
                 req.beam.done = True
             self._pending.append(self._output(req))
             return rid
-        first = Branch(self._new_id(), req, 0, prompt, [], self._generator(req, 0))
+        first = Branch(self._new_id(), req, 0, prompt, [], self._generator(req, 0),
+                       logprobs=self._logprobs_list(req))
         req.branches.append(first)
         self._requests[rid] = req
-        self._waiting.append(SeqGroup(req, [first]))
+        self.scheduler.waiting.append(SeqGroup(req, [first]))
         return rid
 
     def _generator(self, req: Request, index: int) -> torch.Generator | None:
@@ -346,9 +301,13 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
             return None
         return branch_generator(req.seed, index, self.device)
 
+    @staticmethod
+    def _logprobs_list(req: Request) -> list[dict[int, float]] | None:
+        return None if req.params.logprobs is None else []
+
     def has_unfinished_requests(self) -> bool:
         """Whether a request is waiting, running or swapped out."""
-        return bool(self._waiting or self._running or self._swapped)
+        return self.scheduler.has_unfinished()
 
     def abort(self, request_id: int) -> None:
         """Stop a request now, whether it is waiting, running or swapped out: its blocks are
@@ -360,13 +319,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
                 return  # finished (and reported) already
             raise KeyError(f"unknown request id {request_id!r}")
         bm = self.block_manager
-        groups = [g for g in (*self._waiting, *self._swapped, *self._running)
-                  if g.request is req]
-        for queue in (self._waiting, self._swapped):
-            keep = [g for g in queue if g.request is not req]
-            queue.clear()
-            queue.extend(keep)
-        self._running[:] = [g for g in self._running if g.request is not req]
+        groups = self.scheduler.remove_request(req)
         for b in [b for g in groups for b in g.branches] + req.branches:
             if b.seq_id in bm:
                 bm.free(b.seq_id)
@@ -379,7 +332,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         del self._requests[request_id]
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step (a packed prefill or a decode step); returns a
+        """Run one engine step (one forward pass: decode rows and prompt chunks); returns a
         :class:`RequestOutput` for every request that got tokens or finished (aborted ones
         included). With nothing to run it returns the pending outputs only.
 
@@ -408,9 +361,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
             bm.free(sid)
         # Blocks registered by the failed step may never have had their K/V written.
         bm.reset_prefix_cache()
-        self._waiting.clear()
-        self._swapped.clear()
-        self._running.clear()
+        self.scheduler.clear()
         self._requests.clear()
         self._touched = {}
 
@@ -418,7 +369,8 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         toks, reasons = req.token_ids()
         new = [t[r:] for t, r in zip(toks, req.reported, strict=True)]
         req.reported = [len(t) for t in toks]
-        return RequestOutput(req.request_id, req.prompt, toks, new, req.finished, reasons)
+        lps = req.logprobs()
+        return RequestOutput(req.request_id, req.prompt, toks, new, req.finished, reasons, lps)
 
     def stream(self, prompts: Sequence[Sequence[int]],
                params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -485,7 +437,7 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         for out in self.stream(prompts, params):
             if out.finished:
                 results[out.request_id - first] = out.token_ids
-        self.stats.elapsed_s = time.perf_counter() - self._t0
+        self.stats.elapsed_s = self._collector.elapsed()
         return results
 
     # ------------------------------------------------------------------ the step
@@ -494,82 +446,98 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         return self._next_seq_id
 
     def _step(self) -> None:
-        batch, cached = self._schedule()
-        if batch:
-            branches = [b for g in batch for b in g.branches]
-            if self.enable_prefix_caching:
-                logits = self._prefill_paged(branches, cached)
-            else:
-                logits = self._prefill(branches)
-            self.last_step_logits = (
-                [(b.request.request_id, b.index) for b in branches], logits)
-            self._after_forward(batch, logits)
-        elif self._running:
-            branches = self._reserve_decode_slots()
-            logits = self._decode_forward(branches)
-            self.last_step_logits = (
-                [(b.request.request_id, b.index) for b in branches], logits)
-            groups, self._running = self._running, []
-            self._after_forward(groups, logits)
-        else:
+        """schedule -> execute -> sample -> update."""
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            sch = self.scheduler
             raise RuntimeError(
                 "PagedEngine: no request can be scheduled (waiting "
-                f"{len(self._waiting)}, swapped {len(self._swapped)}, free blocks "
+                f"{len(sch.waiting)}, swapped {len(sch.swapped)}, free blocks "
                 f"{self.block_manager.num_free_blocks})")
-        self._record("prefill" if batch else "decode", self._step_tokens)
+        logits = self.runner.execute(sched)
+        self.last_step_logits = ([(b.request.request_id, b.index)
+                                  for g in sched.groups for b in g.branches], logits)
+        self._update(sched, logits)
+        rec = self._collector.record(sched, self.scheduler, self.block_manager)
+        if self.step_callback is not None:
+            self.step_callback(self, rec)
 
-    def _after_forward(self, groups: list[SeqGroup], logits: torch.Tensor) -> None:
-        """Turn each group's logits rows (in order) into tokens; groups still running go
-        (back) to ``running``, in the same order."""
+    def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Turn each completed group's logits rows (in order) into tokens: sampling (forking a
+        new request's branches first) or a beam-search step; finished branches free their
+        blocks and leave ``running``."""
         bm = self.block_manager
         st = self.stats
-        sample_rows: list[int] = []
+        rows: list[int] = []
         sample_branches: list[Branch] = []
         per_group: list[list[Branch]] = []
         row = 0
-        for group in groups:
+        for group in sched.groups:
             req = group.request
-            rows = len(group.branches)
+            n = len(group.branches)
             if req.beam is not None:
-                self._beam_step(group, logits[row: row + rows])
+                self._beam_step(group, logits[row: row + n])
                 per_group.append([])
             elif not req.started:
                 # The prompt's prefill: fork the other branches; each samples its own token.
                 first = group.branches[0]
                 for j in range(1, req.params.n):
                     child = Branch(self._new_id(), req, j, req.prompt, [],
-                                   self._generator(req, j))
+                                   self._generator(req, j), num_computed=first.num_computed,
+                                   logprobs=self._logprobs_list(req))
                     bm.fork(first.seq_id, child.seq_id)
                     st.forks += 1
                     req.branches.append(child)
                 per_group.append(list(req.branches))
-                sample_rows.extend([row] * len(req.branches))
+                rows.extend([row] * len(req.branches))
             else:
                 per_group.append(group.branches)
-                sample_rows.extend(range(row, row + rows))
+                rows.extend(range(row, row + n))
             sample_branches.extend(per_group[-1])
             req.started = True
             self._touched[req.request_id] = req
-            row += rows
-        toks = []
+            row += n
+        toks: list[int] = []
+        lps: list = []
         if sample_branches:
-            toks = sample_next_tokens(logits[sample_rows].float(),
-                                      [b.request.params for b in sample_branches],
-                                      [b.generator for b in sample_branches])
-        it = iter(toks)
-        for group, branches in zip(groups, per_group, strict=True):
+            every = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+            toks, lps = self.sampler(logits if every else logits[rows],
+                                     [b.request.params for b in sample_branches],
+                                     [b.generator for b in sample_branches])
+        it = iter(zip(toks, lps, strict=True))
+        running = self.scheduler.running
+        done: set[int] = set()
+        for group, branches in zip(sched.groups, per_group, strict=True):
             req = group.request
             if req.beam is not None:
-                if not req.finished:
-                    self._running.append(group)
+                if req.finished:
+                    done.add(id(group))
                 continue
+            new_groups = []
             for b in branches:
-                b.output.append(next(it))
+                tok, lp = next(it)
+                b.output.append(tok)
+                if b.logprobs is not None:
+                    b.logprobs.append(lp)
                 st.tokens_generated += 1
-                if not self._finish_if_done(b):
-                    self._running.append(SeqGroup(req, [b]))
+                if self._finish_if_done(b):
+                    continue
+                new_groups.append(SeqGroup(req, [b]))
             if all(b.finish_reason is not None for b in req.branches):
                 req.finished = True
+            # Sampling branches run on as groups of one, in the group's place.
+            if len(new_groups) != 1 or new_groups[0].branches != group.branches:
+                done.add(id(group))
+                if new_groups:
+                    self._replace(running, group, new_groups)
+        if done:
+            running[:] = [g for g in running if id(g) not in done]
+
+    @staticmethod
+    def _replace(running: list[SeqGroup], group: SeqGroup, new: list[SeqGroup]) -> None:
+        """Put ``new`` right after ``group`` in ``running`` (``group`` leaves afterwards)."""
+        i = next(i for i, g in enumerate(running) if g is group)
+        running[i + 1:i + 1] = new
 
     def _finish_if_done(self, b: Branch) -> bool:
         """After a token was appended: free the branch if it is done."""
@@ -614,7 +582,8 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
                 p.index = j
                 children.append(p)
             else:
-                child = Branch(self._new_id(), req, j, req.prompt, list(p.output))
+                child = Branch(self._new_id(), req, j, req.prompt, list(p.output),
+                               num_computed=p.num_computed)
                 bm.fork(p.seq_id, child.seq_id)
                 self.stats.forks += 1
                 children.append(child)
@@ -623,44 +592,3 @@ class PagedEngine(SchedulerMixin, StepRunnerMixin):
         for b, tok in zip(children, toks, strict=True):
             b.output.append(tok)
         group.branches = children
-
-    # ------------------------------------------------------------------ stats
-    def _record(self, kind: str, num_tokens: int) -> None:
-        st = self.stats
-        bm = self.block_manager
-        bst = bm.stats()
-        st.steps += 1
-        if kind == "prefill":
-            st.prefill_steps += 1
-        else:
-            st.decode_steps += 1
-        contiguous = unshared = beam_blocks = beam_unshared = 0
-        for g in self._running:
-            p = g.request.params
-            contiguous += len(g.branches) * (len(g.request.prompt) + p.max_new_tokens)
-            # A sequence of L positions holds ceil(L / block_size) blocks.
-            n = sum(bm.num_blocks_for(bm.seq_len(b.seq_id)) for b in g.branches)
-            unshared += n
-            if g.request.beam is not None:
-                beam_unshared += n
-                beam_blocks += len({x for b in g.branches for x in bm.block_table(b.seq_id)})
-        running = sum(len(g.branches) for g in self._running)
-        rec = StepRecord(step=st.steps, kind=kind, num_tokens=num_tokens,
-                         used_blocks=bst.used_blocks, tail_waste_slots=bst.tail_waste_slots,
-                         stored_tokens=bst.stored_tokens, contiguous_slots=contiguous,
-                         running=running, waiting=sum(len(g.branches) for g in self._waiting),
-                         swapped=sum(len(g.branches) for g in self._swapped),
-                         preempted=st.preemptions - self._preemptions_before,
-                         time_s=time.perf_counter() - self._t0, unshared_blocks=unshared,
-                         beam_blocks=beam_blocks, beam_unshared_blocks=beam_unshared)
-        self._preemptions_before = st.preemptions
-        st.timeline.append(rec)
-        st.peak_used_blocks = max(st.peak_used_blocks, bst.used_blocks)
-        st.peak_running = max(st.peak_running, running)
-        st.peak_contiguous_slots = max(st.peak_contiguous_slots, contiguous)
-        st.peak_unshared_blocks = max(st.peak_unshared_blocks, unshared)
-        if beam_blocks > st.peak_beam_blocks:
-            st.peak_beam_blocks, st.peak_beam_unshared_blocks = beam_blocks, beam_unshared
-        st.elapsed_s = rec.time_s
-        if self.step_callback is not None:
-            self.step_callback(self, rec)

@@ -1,5 +1,5 @@
-"""fp8 KV caches: per-layer, per-tensor key/value scales, fixed or calibrated on the first
-prefill."""
+"""fp8 KV caches: per-layer, per-tensor key/value scales, fixed or calibrated on the engine's
+first forward pass (its first prompt chunks)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-#: ``kv_scale="auto"`` maps the amax of the first prefill's keys (values) of a layer to
+#: ``kv_scale="auto"`` maps the amax of the first forward pass's keys (values) of a layer to
 #: ``finfo(fp8).max / KV_SCALE_HEADROOM``: later tokens up to this many times larger than
 #: anything seen during calibration are still represented without saturating.
 KV_SCALE_HEADROOM = 4.0
@@ -18,7 +18,7 @@ KV_SCALE_HEADROOM = 4.0
 def make_kv_scales(kv_cache_dtype: torch.dtype, kv_scale, num_layers: int, device):
     """``(k_scales, v_scales, calibrate, scale_target)`` for a cache of ``kv_cache_dtype``:
     one fp32 one-element tensor per layer (``None``, ``None`` for non-fp8 caches);
-    ``calibrate``: the first prefill sets them (``kv_scale="auto"``), mapping each amax to
+    ``calibrate``: the first forward pass sets them (``kv_scale="auto"``), mapping each amax to
     ``scale_target``. ``ValueError`` naming ``kv_scale`` for a bad value."""
     if kv_cache_dtype not in FP8_DTYPES:
         return None, None, False, 1.0
@@ -26,7 +26,7 @@ def make_kv_scales(kv_cache_dtype: torch.dtype, kv_scale, num_layers: int, devic
     if isinstance(kv_scale, str):
         if kv_scale != "auto":
             raise ValueError(f"kv_scale must be 'auto', a float or a pair, got {kv_scale!r}")
-        ks = vs = 1.0  # until the first prefill calibrates them
+        ks = vs = 1.0  # until the first forward pass calibrates them
         calibrate = True
         target = torch.finfo(kv_cache_dtype).max / KV_SCALE_HEADROOM
     elif isinstance(kv_scale, (int, float)):

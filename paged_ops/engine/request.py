@@ -13,16 +13,21 @@ from .sampling import SamplingParams
 class Branch:
     """One generation branch of a request: one sequence of the block manager.
 
-    ``tokens()`` = prompt + output; between steps the KV cache holds positions
-    ``0 .. num_tokens - 2`` (the last token is the next step's input). ``index``: the branch's
-    place in the request's results (for beams: its rank among the running beams).
+    ``tokens()`` = prompt + output. ``num_computed``: leading positions whose K/V the cache
+    holds (or the step being run writes); a decoding branch has ``num_tokens - 1`` (its last
+    token is the next step's input), a branch being prefilled fewer. ``prefill_len``: the
+    positions its current prefill covers (the prompt, or prompt + output recomputed after a
+    preemption); rows below it are prefill rows, later ones decode rows. ``index``: the
+    branch's place in the request's results (for beams: its rank among the running beams).
+    ``logprobs``: one ``{token_id: logprob}`` per output token when the request asks for them.
     """
 
     __slots__ = ("seq_id", "request", "index", "prompt", "output", "generator",
-                 "finish_reason")
+                 "finish_reason", "num_computed", "prefill_len", "logprobs")
 
     def __init__(self, seq_id: int, request: Request, index: int, prompt: list[int],
-                 output: list[int], generator: torch.Generator | None = None):
+                 output: list[int], generator: torch.Generator | None = None,
+                 num_computed: int = 0, logprobs: list[dict[int, float]] | None = None):
         self.seq_id = seq_id
         self.request = request
         self.index = index
@@ -30,6 +35,9 @@ class Branch:
         self.output = output
         self.generator = generator
         self.finish_reason: str | None = None
+        self.num_computed = num_computed
+        self.prefill_len = 0
+        self.logprobs = logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +45,18 @@ class Branch:
 
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens of positions ``start .. end - 1`` (without copying the whole sequence)."""
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        if start >= p:
+            return self.output[start - p:end - p]
+        return self.prompt[start:] + self.output[:end - p]
 
 
 class SeqGroup:
@@ -83,6 +103,16 @@ class Request:
         #: Tokens of each branch already reported by a RequestOutput.
         self.reported = [0] * params.n
 
+    def logprobs(self) -> list[list[dict[int, float]]] | None:
+        """Per result branch, one ``{token_id: logprob}`` per new token (``None`` unless
+        ``params.logprobs`` is set)."""
+        if self.params.logprobs is None:
+            return None
+        out: list[list[dict[int, float]]] = [[] for _ in range(self.params.n)]
+        for b in self.branches:
+            out[b.index] = list(b.logprobs)
+        return out
+
     def token_ids(self) -> tuple[list[list[int]], list[str | None]]:
         """Per result branch: the new tokens so far and the finish reason (None: running)."""
         n = self.params.n
@@ -105,7 +135,10 @@ class RequestOutput:
     ``token_ids[j]``: all new tokens of branch ``j`` so far; ``new_token_ids[j]``: those added
     since the previous output of the request; ``finish_reasons[j]``: ``"length"``, ``"stop"``,
     ``"abort"`` or ``None`` (running); ``finished``: every branch is done. A beam search reports
-    once, when it ends: its ``n`` best beams, best first.
+    once, when it ends: its ``n`` best beams, best first. ``logprobs[j]`` (requests with
+    ``SamplingParams.logprobs`` set, else ``None``): one dict per new token of branch ``j`` so
+    far, ``{token_id: logprob}`` for the chosen token and the ``logprobs`` most likely ones,
+    the fp32 ``log_softmax`` of the model's logits (before temperature, top-k and top-p).
     """
 
     request_id: int
@@ -114,3 +147,4 @@ class RequestOutput:
     new_token_ids: list[list[int]]
     finished: bool
     finish_reasons: list[str | None]
+    logprobs: list[list[dict[int, float]]] | None = None

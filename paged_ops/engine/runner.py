@@ -1,14 +1,23 @@
-"""The step runner: builds one step's model inputs and paged metadata, runs the model, and
-returns one row of last-position logits per sequence. A mixin of
-:class:`~paged_ops.engine.PagedEngine` (it shares the engine's caches, block manager and
-compiled functions)."""
+"""The model runner of :class:`~paged_ops.engine.PagedEngine`: owns the paged caches, applies a
+step's block moves, builds the step's model inputs and paged metadata from a
+:class:`~paged_ops.engine.scheduler.SchedulerOutput`, runs the model once and returns the
+logits rows the step asked for.
+
+Every step is one forward pass over one packed row of ``T`` tokens (``input_ids [1, T]``):
+decode rows (one token per sequence) and prompt chunks alike. Each attention layer writes the
+step's keys/values into the paged cache and attends over it with ``torch.ops.paged.attention``:
+in the op's decode form when every sequence has one row, else with ``query_start_loc`` (several
+rows per sequence, causal). There is no ``[T, T]`` mask anywhere.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from .._api import allocate_kv_cache, copy_blocks, swap_blocks
+from ..block_manager import BlockManager
 from .attention import StepContext
-from .request import Branch
+from .scheduler import SchedulerOutput
 
 
 def _own(t: torch.Tensor, device) -> torch.Tensor:
@@ -31,142 +40,196 @@ def _pad(t: torch.Tensor, count: int, value, dim: int = 0) -> torch.Tensor:
     return torch.cat([t, t.new_full(shape, value)], dim=dim)
 
 
-class StepRunnerMixin:
-    """Prefill and decode forward passes of :class:`~paged_ops.engine.PagedEngine`."""
+class ModelRunner:
+    """Forward passes of one engine over its paged caches.
 
+    ``key_caches``/``value_caches``: one pair per layer on the model's device; with a swap pool
+    ``cpu_key_caches``/``cpu_value_caches`` too. ``k_scales``/``v_scales``: fp8 scales per
+    layer (``None`` otherwise); ``calibrate``: the next forward pass sets them from its
+    keys/values (once). ``compile``: as :class:`PagedEngine`'s argument. ``native_multi_token``:
+    whether the op takes ``query_start_loc`` on the model's device (else steps with several
+    rows per sequence attend through a gathered plain-torch fallback, eagerly).
+    """
+
+    def __init__(self, model, block_manager: BlockManager, *, num_layers: int,
+                 num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 num_cpu_blocks: int, kv_cache_dtype: torch.dtype, device, dtype,
+                 num_heads: int, compile, k_scales, v_scales, calibrate: bool,
+                 scale_target: float):
+        self.model = model
+        self.block_manager = block_manager
+        self.device = device
+        self.k_scales, self.v_scales = k_scales, v_scales
+        self.calibrate = calibrate
+        self.scale_target = scale_target
+        self.key_caches: list[torch.Tensor] = []
+        self.value_caches: list[torch.Tensor] = []
+        for _ in range(num_layers):
+            k, v = allocate_kv_cache(num_blocks, num_kv_heads, head_dim, block_size,
+                                     kv_cache_dtype, device)
+            if compile:
+                # Fixed shapes: no symbolic sizes (nor duck-sizing guards) for the caches.
+                torch._dynamo.mark_static(k)
+                torch._dynamo.mark_static(v)
+            self.key_caches.append(k)
+            self.value_caches.append(v)
+        self.cpu_key_caches: list[torch.Tensor] = []
+        self.cpu_value_caches: list[torch.Tensor] = []
+        if num_cpu_blocks:
+            pin = device.type == "cuda"
+            for _ in range(num_layers):
+                k, v = allocate_kv_cache(num_cpu_blocks, num_kv_heads, head_dim, block_size,
+                                         kv_cache_dtype, "cpu")
+                if pin:
+                    k, v = k.pin_memory(), v.pin_memory()
+                self.cpu_key_caches.append(k)
+                self.cpu_value_caches.append(v)
+
+        self.native_multi_token = self._probe_multi_token(num_heads, num_kv_heads, head_dim,
+                                                          block_size, kv_cache_dtype, dtype)
+        self.compile = compile
+        self._decode_fn = self._mixed_fn = self._forward
+        self._compile_mixed = False
+        if compile:
+            opts = dict(compile) if isinstance(compile, dict) else {}
+            opts.setdefault("dynamic", True)
+            compiled = torch.compile(self._forward, **opts)
+            self._decode_fn = compiled
+            if compile != "decode" and self.native_multi_token:
+                self._mixed_fn = compiled
+                self._compile_mixed = True
+
+    def _probe_multi_token(self, num_heads, num_kv_heads, head_dim, block_size,
+                           kv_cache_dtype, dtype) -> bool:
+        """Whether ``torch.ops.paged.attention`` takes ``query_start_loc`` on the model's
+        device: always on the CPU; elsewhere tried once on a one-block cache."""
+        if self.device.type == "cpu":
+            return True
+        dev = self.device
+        k, v = allocate_kv_cache(1, num_kv_heads, head_dim, block_size, kv_cache_dtype, dev)
+        k.view(torch.uint8).zero_()
+        v.view(torch.uint8).zero_()
+        q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)
+        one = torch.ones(1, dtype=torch.int32, device=dev)
+        try:
+            torch.ops.paged.attention(
+                q, k, v, torch.zeros(1, 1, dtype=torch.int32, device=dev), one, 1.0, None, -1,
+                0.0, None if self.k_scales is None else self.k_scales[0],
+                None if self.v_scales is None else self.v_scales[0], None,
+                torch.tensor([0, 1], dtype=torch.int32, device=dev))
+        except RuntimeError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ block moves
+    def apply_block_ops(self, ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
+        """Apply a step's swaps and copy-on-write copies, in the scheduler's order."""
+        bm = self.block_manager
+        for kind, pairs in ops:
+            if kind == "copy":
+                copy_blocks(self.key_caches, self.value_caches,
+                            bm.block_mapping_tensor(pairs, self.device))
+                continue
+            m = bm.block_mapping_tensor(pairs)
+            if kind == "swap_out":
+                src_k, src_v = self.key_caches, self.value_caches
+                dst_k, dst_v = self.cpu_key_caches, self.cpu_value_caches
+            else:
+                src_k, src_v = self.cpu_key_caches, self.cpu_value_caches
+                dst_k, dst_v = self.key_caches, self.value_caches
+            for s, d in zip(src_k, dst_k, strict=True):
+                swap_blocks(s, d, m)
+            for s, d in zip(src_v, dst_v, strict=True):
+                swap_blocks(s, d, m)
+
+    # ------------------------------------------------------------------ the forward pass
     def _forward(self, input_ids, position_ids, logits_to_keep, ctx):
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                          logits_to_keep=logits_to_keep, paged_ctx=ctx)
         return out.logits
 
     def _scale_kwargs(self) -> dict:
-        """The fp8 scale fields of a step's context (calibration on the first prefill)."""
         if self.k_scales is None:
             return {}
-        return dict(k_scales=self.k_scales, v_scales=self.v_scales, calibrate=self._calibrate,
-                    scale_target=self._scale_target)
+        return dict(k_scales=self.k_scales, v_scales=self.v_scales, calibrate=self.calibrate,
+                    scale_target=self.scale_target)
 
-    def _run_prefill(self, input_ids, position_ids, last, ctx):
-        if ctx.calibrate:
-            # Calibrating writes the scales in place: run that one step eagerly.
-            logits = self._forward(input_ids, position_ids, last, ctx)
-            self._calibrate = False
-            return logits
-        return self._prefill_fn(input_ids, position_ids, last, ctx)
-
-    def _prefill(self, batch: list[Branch]) -> torch.Tensor:
-        """Prefill whole sequences (their blocks allocated), packed into one row; attention
-        over the step's own keys/values (SDPA). Returns ``[len(batch), V]`` logits."""
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Apply ``sched``'s block moves, run its one forward pass; returns the logits rows of
+        its sequences with ``logits`` set, in order (``[rows, vocab]``)."""
+        self.apply_block_ops(sched.block_ops)
+        seqs = sched.seqs
         bm = self.block_manager
         dev = self.device
-        ids = [s.seq_id for s in batch]
-        lens = [s.num_tokens for s in batch]
-        tokens: list[int] = []
-        for s in batch:
-            tokens.extend(s.tokens())
-        slots = bm.slot_mapping_tensor(ids, lens)
-        positions = torch.cat([torch.arange(n) for n in lens])
-        last = torch.tensor(lens).cumsum(0) - 1
-        segments = None
-        if len(batch) > 1 or self.compile:
-            segments = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(lens))
-        if self.compile:
-            # One graph for every prefill: always packed (segments given); a lone token gets a
-            # padding token of its own segment, and a lone row's logits are kept twice.
-            pad = 2 - len(tokens)
-            tokens = tokens + [0] * max(pad, 0)
-            positions = _pad(positions, pad, 0)
-            segments = _pad(segments, pad, len(batch))
-            slots = _pad(slots, pad, -1)
-            last = _pad(last, 2 - len(last), int(last[-1]))
-        input_ids = _own(torch.tensor(tokens, dtype=torch.long).view(1, -1), dev)
-        position_ids = _own(positions.view(1, -1), dev)
-        ctx = StepContext(True, self.key_caches, self.value_caches, _own(slots, dev),
-                          positions=None if segments is None else _own(positions, dev),
-                          segments=None if segments is None else _own(segments, dev),
-                          **self._scale_kwargs())
-        logits = self._run_prefill(input_ids, position_ids, _own(last, dev), ctx)
-        ntok = sum(lens)
-        self.stats.prefill_tokens += ntok
-        self._step_tokens = ntok
-        return logits[0, : len(batch)]
-
-    def _prefill_paged(self, batch: list[Branch], cached: list[int]) -> torch.Tensor:
-        """Prefill with prefix caching: only the uncached suffix of each sequence (positions
-        ``cached .. len-1``) is fed to the model; attention runs over the paged cache, which
-        holds the cached prefix plus the K/V the step writes (multi-token paged op)."""
-        bm = self.block_manager
-        dev = self.device
-        ids = [s.seq_id for s in batch]
-        lens = [s.num_tokens for s in batch]
-        qlens = [n - c for n, c in zip(lens, cached, strict=True)]
+        ids = [s.branch.seq_id for s in seqs]
+        qlens = [s.end - s.start for s in seqs]
+        decode = sched.is_decode_only
         tokens: list[int] = []
         positions: list[int] = []
-        for s, c, n in zip(batch, cached, lens, strict=True):
-            tokens.extend(s.tokens()[c:])
-            positions.extend(range(c, n))
-        slots = bm.slot_mapping_tensor(ids, qlens)
+        for s in seqs:
+            b = s.branch
+            if s.end - s.start == 1:
+                tokens.append(b.last_token() if s.end == b.num_tokens
+                              else b.token_slice(s.start, s.end)[0])
+                positions.append(s.start)
+            else:
+                tokens.extend(b.token_slice(s.start, s.end))
+                positions.extend(range(s.start, s.end))
+        # Every sequence's reserved positions end with this step's rows.
+        slots = bm.slot_mapping_tensor(ids, 1 if decode else qlens)
         tables = bm.block_tables_tensor(ids)
+        seq_lens = [s.end for s in seqs]
+        rows = [i for i, s in enumerate(seqs) if s.logits]
+        compiled = self._compile_mixed or (decode and self.compile)
         gather = None
-        if not self._native_multi_token:
-            gather = [(tables[i, : bm.num_blocks_for(n)].tolist(), n, q)
-                      for i, (n, q) in enumerate(zip(lens, qlens, strict=True))]
-        seq_lens = list(lens)
-        if self._compile_prefill:
-            # One graph for every prefill: a padding sequence of one token at position 0
-            # (slot -1: not written) that attends to position 0 of the first sequence's
-            # first block (written by now), and a table at least 2 wide.
-            tokens.append(0)
-            positions.append(0)
-            slots = _pad(slots, 1, -1)
-            tables = torch.cat([tables, tables[:1]])
+        if decode:
+            last = torch.tensor(rows, dtype=torch.long)
+            qsl = None
+            if compiled:
+                # Padding sequences: token 0 at position 0, slot -1 (not written), length 0.
+                pad = 2 - len(seqs)
+                tokens += [0] * max(pad, 0)
+                positions += [0] * max(pad, 0)
+                slots = _pad(slots, pad, -1)
+                tables = _pad(tables, pad, 0)
+                seq_lens += [0] * max(pad, 0)
+            fn = self._decode_fn
+        else:
+            if compiled:
+                # A padding sequence of one token at position 0 (slot -1: not written) that
+                # attends to position 0 of the first sequence (written by now: every
+                # scheduled sequence starts at 0 or continues cached positions).
+                tokens.append(0)
+                positions.append(0)
+                slots = _pad(slots, 1, -1)
+                tables = torch.cat([tables, tables[:1]])
+                seq_lens.append(1)
+                qlens = qlens + [1]
+            qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            last = qsl[1:].long()[rows] - 1
+            if not self.native_multi_token:
+                gather = [(tables[i, : bm.num_blocks_for(n)].tolist(), n, q)
+                          for i, (n, q) in enumerate(zip(seq_lens, qlens, strict=True))]
+            fn = self._mixed_fn
+        if compiled:
             tables = _pad(tables, 2 - tables.shape[1], 0, dim=1)
-            seq_lens.append(1)
-            qlens = qlens + [1]
-        qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        last = qsl[1:].long() - 1
+            if len(last):
+                last = _pad(last, 2 - len(last), int(last[-1]))
+        if not len(rows):
+            # No sequence completes: the model still runs (it writes the cache); one row of
+            # logits is computed and dropped.
+            last = torch.zeros(2 if compiled else 1, dtype=torch.long)
         input_ids = _own(torch.tensor(tokens, dtype=torch.long).view(1, -1), dev)
         position_ids = _own(torch.tensor(positions, dtype=torch.long).view(1, -1), dev)
         ctx = StepContext(True, self.key_caches, self.value_caches, _own(slots, dev),
                           block_tables=_own(tables, dev),
                           seq_lens=_own(torch.tensor(seq_lens, dtype=torch.int32), dev),
-                          query_start_loc=_own(qsl, dev), gather=gather,
-                          **self._scale_kwargs())
-        logits = self._run_prefill(input_ids, position_ids, _own(last, dev), ctx)
-        st = self.stats
-        ntok = sum(lens) - sum(cached)
-        st.prefill_tokens += ntok
-        st.cached_prompt_tokens += sum(cached)
-        self._step_tokens = ntok
-        return logits[0, : len(batch)]
-
-    def _decode_forward(self, running: list[Branch]) -> torch.Tensor:
-        """One decode step (every sequence's slot already appended): feeds each sequence's
-        last token; returns ``[len(running), V]`` logits."""
-        bm = self.block_manager
-        dev = self.device
-        ids = [s.seq_id for s in running]
-        toks = [s.output[-1] for s in running]
-        pos = [s.num_tokens - 1 for s in running]
-        slots = bm.slot_mapping_tensor(ids, 1)
-        tables = bm.block_tables_tensor(ids)
-        lens = bm.seq_lens_tensor(ids)
-        # Compiled decode: table entries past a sequence's last block are ignored by the op;
-        # padding rows are token 0 at position 0, slot -1 (not written), length 0.
-        tables = _pad(tables, self._min_decode_batch - tables.shape[1], 0, dim=1)
-        pad = self._min_decode_batch - len(running)
-        if pad > 0:
-            toks += [0] * pad
-            pos += [0] * pad
-            slots = _pad(slots, pad, -1)
-            tables = _pad(tables, pad, 0)
-            lens = _pad(lens, pad, 0)
-        input_ids = torch.tensor(toks, dtype=torch.long).view(-1, 1)
-        position_ids = torch.tensor(pos, dtype=torch.long).view(-1, 1)
-        ctx = StepContext(False, self.key_caches, self.value_caches, _own(slots, dev),
-                          block_tables=_own(tables, dev), seq_lens=_own(lens, dev),
-                          **self._scale_kwargs())
-        input_ids, position_ids = _own(input_ids, dev), _own(position_ids, dev)
-        logits = self._decode_fn(input_ids, position_ids, 0, ctx)
-        self._step_tokens = len(running)
-        return logits[: len(running), -1]
+                          query_start_loc=None if qsl is None else _own(qsl, dev),
+                          gather=gather, **self._scale_kwargs())
+        if self.calibrate:
+            # Calibrating writes the scales in place: run that one step eagerly.
+            logits = self._forward(input_ids, position_ids, _own(last, dev), ctx)
+            self.calibrate = False
+        else:
+            logits = fn(input_ids, position_ids, _own(last, dev), ctx)
+        return logits[0, : len(rows)]
