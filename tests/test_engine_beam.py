@@ -114,3 +114,20 @@ def test_beam_request_that_cannot_fit_raises(beam_setup):
     with pytest.raises(ValueError, match="x 4 beams = 24 blocks"):
         engine.add_request(prompts[4], _params())
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("num_blocks", [64, 24], ids=["roomy", "preempting"])
+def test_beam_search_with_chunked_prefill(beam_setup, num_blocks):
+    """A step budget of 16 tokens: prompts prefilled in chunks beside running beams' decode
+    rows; in 24 blocks, a group preempted by recompute comes back with all its beams
+    prefilled in one step, beyond the budget (its beams need their logits together)."""
+    model, prompts, refs = beam_setup
+    engine = PagedEngine(model, num_blocks=num_blocks, block_size=8, eos_token_id=None,
+                         max_num_batched_tokens=16)
+    assert engine.generate(prompts, params=_params()) == refs
+    st = engine.stats
+    assert st.mixed_steps > 0
+    if num_blocks == 24:
+        assert st.recompute_preemptions > 0
+        assert max(r.prefill_tokens for r in st.timeline) > 16
+    _check_pool_empty(engine)
