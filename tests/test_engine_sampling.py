@@ -165,3 +165,83 @@ def test_beam_params_are_checked():
     with pytest.raises(ValueError, match="SamplingParams.temperature"):
         SamplingParams(num_beams=2, temperature=0.5)
     assert SamplingParams(num_beams=4, n=4, early_stopping="never").use_beam_search
+
+
+@pytest.mark.parametrize("budget,num_blocks", [(3, 64), (8, 64), (8, 8)],
+                         ids=["budget3", "budget8", "budget8-preempting"])
+def test_seeded_sampling_independent_of_chunking(model_prompts, sampled_together, budget,
+                                                 num_blocks):
+    """The same seeded samples whatever the step budget: prompts prefilled in chunks of 3 or
+    8 tokens beside other sequences' decode rows (and preempted, in a pool of 8 blocks)."""
+    model, prompts = model_prompts
+    engine = PagedEngine(model, num_blocks=num_blocks, block_size=8,
+                         max_num_batched_tokens=budget)
+    assert engine.generate(prompts, params=SAMPLED) == sampled_together
+    st = engine.stats
+    assert st.mixed_steps > 0
+    assert st.prefill_steps >= -(-sum(PROMPT_LENS) // budget)
+    if num_blocks == 8:
+        assert st.preemptions > 0
+    _check_pool_empty(engine)
+
+
+def _reference_logprobs(model, prompt, tokens):
+    """fp32 log_softmax of transformers' logits before each of ``tokens`` (teacher forced)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=6, temperature=0.9, top_k=40, top_p=0.9, seed=7, n=2,
+                   logprobs=3),
+    SamplingParams(max_new_tokens=6, logprobs=0),
+], ids=["sampled-top3", "greedy-chosen-only"])
+def test_logprobs_match_transformers(model_prompts, params):
+    """Each new token's logprobs: the chosen token and the top ``logprobs`` tokens, the fp32
+    log_softmax of the raw logits (before temperature, top-k, top-p), checked against
+    transformers' forward pass; with chunked prefill too."""
+    model, prompts = model_prompts
+    for budget in (4096, 8):
+        engine = PagedEngine(model, num_blocks=64, block_size=8, max_num_batched_tokens=budget)
+        done = [o for o in engine.stream(prompts[:3], params) if o.finished]
+        assert len(done) == 3
+        for out in done:
+            assert len(out.logprobs) == params.n
+            for toks, lps in zip(out.token_ids, out.logprobs, strict=True):
+                assert len(lps) == len(toks) == params.max_new_tokens
+                ref = _reference_logprobs(model, out.prompt_token_ids, toks)
+                for t, (tok, d) in enumerate(zip(toks, lps, strict=True)):
+                    top = ref[t].topk(params.logprobs).indices.tolist() if params.logprobs \
+                        else []
+                    assert set(d) == {tok, *top}
+                    for k, v in d.items():
+                        assert v == pytest.approx(ref[t, k].item(), abs=1e-4)
+        # Without logprobs asked for, none are reported.
+        plain = list(engine.stream(prompts[:1], SamplingParams(max_new_tokens=2)))
+        assert all(o.logprobs is None for o in plain)
+
+
+def test_logprobs_params_are_checked():
+    with pytest.raises(ValueError, match="SamplingParams.logprobs"):
+        SamplingParams(logprobs=-1)
+    with pytest.raises(ValueError, match="SamplingParams.logprobs"):
+        SamplingParams(num_beams=2, logprobs=1)
+
+
+def test_rows_with_different_params_sample_together(model_prompts):
+    """One step samples rows with different temperature, top-k and top-p (and greedy rows)
+    at once; each request's tokens equal those it gets alone, and the reference sampler's."""
+    model, prompts = model_prompts
+    mix = [SamplingParams(max_new_tokens=MAX_NEW),
+           SAMPLED,
+           SamplingParams(max_new_tokens=MAX_NEW, temperature=1.3, top_p=0.8, seed=5),
+           SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_k=5, seed=9, n=2),
+           SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=2)]
+    engine = PagedEngine(model, num_blocks=64, block_size=8)
+    together = {o.request_id: o.token_ids for o in engine.stream(prompts, mix) if o.finished}
+    together = [together[i] for i in sorted(together)]
+    alone = [engine.generate([p], params=sp)[0] for p, sp in zip(prompts, mix, strict=True)]
+    assert together == alone
+    for j, got in enumerate(together[2]):
+        assert got == _reference_sample(model, prompts[2], mix[2], j, MAX_NEW)
