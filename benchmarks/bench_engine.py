@@ -7,6 +7,8 @@ tokens each, greedy, EOS off. Systems, each timed over the whole run after a sho
 - ``engine``: ``PagedEngine(model, num_blocks, block_size=16)`` (``--budget``:
   ``max_num_batched_tokens``, default the engine's offline and ``ONLINE_BUDGET`` online);
 - ``generate``: ``model.generate`` with SDPA and the dynamic cache, all prompts in one batch;
+- ``engine_compile`` (not in the default list): the same engine with ``compile=True`` (the
+  warm-up compiles it);
 - ``static``: the same with ``cache_implementation="static"``;
 - ``generate_batch``: transformers' continuous batching (``sdpa_paged``), where this
   transformers version has it.
@@ -39,6 +41,7 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SYSTEMS = ("engine", "generate", "static", "generate_batch")
+EXTRA_SYSTEMS = ("engine_compile",)
 # Online default step budget: a mixed step then costs a small multiple of a decode step on a
 # 2-core CPU with the default model, so decode rows beside long prompts stay regular.
 ONLINE_BUDGET = 128
@@ -102,24 +105,28 @@ def _summary(name, wall, ntok, times, tokens):
 
 
 # --------------------------------------------------------------------------- offline systems
-def run_engine(model, prompts, args, warm):
+def run_engine(model, prompts, args, warm, compile=False):
     from paged_ops.engine import PagedEngine, SamplingParams
 
     per_seq = -(-(args.prompt_len + args.max_new) // 16)
-    engine_kw = dict(num_blocks=len(prompts) * per_seq + 16, block_size=16, eos_token_id=None)
+    engine_kw = dict(num_blocks=len(prompts) * per_seq + 16, block_size=16, eos_token_id=None,
+                     compile=compile)
     if args.budget:
         engine_kw["max_num_batched_tokens"] = args.budget
     engine = PagedEngine(model, **engine_kw)
     sp = SamplingParams(max_new_tokens=args.max_new, ignore_eos=True)
-    engine.generate(warm, params=SamplingParams(max_new_tokens=4, ignore_eos=True))
-    timer = ForwardTimer(model)
+    # A compiled engine warms up on the workload's own shapes (its graphs are built then).
+    engine.generate(prompts if compile else warm,
+                    params=SamplingParams(max_new_tokens=4, ignore_eos=True))
     t = time.perf_counter()
     outs = engine.generate(prompts, params=sp)
     wall = time.perf_counter() - t
-    timer.close()
     model.set_attn_implementation("sdpa")
-    return _summary("engine", wall, len(prompts) * args.max_new, timer.times,
-                    [o[0] for o in outs])
+    # Step times from the engine's timeline (forward hooks would be traced into the graphs).
+    ends = [r.time_s for r in engine.stats.timeline]
+    times = [b - a for a, b in zip([0.0] + ends, ends, strict=False)]
+    return _summary("engine_compile" if compile else "engine", wall,
+                    len(prompts) * args.max_new, times, [o[0] for o in outs])
 
 
 def run_generate(model, prompts, args, warm, static: bool):
@@ -211,8 +218,8 @@ def offline(args) -> None:
         warm = random_prompts(2, min(16, args.prompt_len), args.vocab, args.seed + 2)
         rows = []
         for s in systems:
-            if s == "engine":
-                rows.append(run_engine(model, prompts, args, warm))
+            if s in ("engine", "engine_compile"):
+                rows.append(run_engine(model, prompts, args, warm, s == "engine_compile"))
             elif s in ("generate", "static"):
                 rows.append(run_generate(model, prompts, args, warm, static=s == "static"))
             elif s == "generate_batch":
@@ -222,7 +229,8 @@ def offline(args) -> None:
                 else:
                     rows.append(r)
             else:
-                raise SystemExit(f"unknown system {s!r} (one of {', '.join(SYSTEMS)})")
+                raise SystemExit(f"unknown system {s!r} (one of "
+                                 f"{', '.join(SYSTEMS + EXTRA_SYSTEMS)})")
         ref = next((r["tokens"] for r in rows if r["system"] == "engine"), rows[0]["tokens"])
         print(f"\n| {name} | output tok/s | wall s | first forward s | decode step ms "
               f"| tokens equal to the engine's |")
