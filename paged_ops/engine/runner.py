@@ -221,7 +221,8 @@ class ModelRunner:
             last = torch.zeros(2 if compiled else 1, dtype=torch.long)
         input_ids = _own(torch.tensor(tokens, dtype=torch.long).view(1, -1), dev)
         position_ids = _own(torch.tensor(positions, dtype=torch.long).view(1, -1), dev)
-        ctx = StepContext(True, self.key_caches, self.value_caches, _own(slots, dev),
+        ctx = StepContext(sched.kind != "decode", self.key_caches, self.value_caches,
+                          _own(slots, dev),
                           block_tables=_own(tables, dev),
                           seq_lens=_own(torch.tensor(seq_lens, dtype=torch.int32), dev),
                           query_start_loc=None if qsl is None else _own(qsl, dev),

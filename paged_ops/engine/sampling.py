@@ -190,7 +190,7 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             lp = torch.log_softmax(x[want], dim=-1)
-            kmax = max(params[i].logprobs for i in want)
+            kmax = min(max(params[i].logprobs for i in want), lp.shape[-1])
             chosen = lp.gather(1, toks[want][:, None])[:, 0].tolist()
             top_v, top_i = (lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long()))
             top_v, top_i = top_v.tolist(), top_i.tolist()
