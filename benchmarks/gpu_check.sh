@@ -160,7 +160,7 @@ build_step() {
     mkdir "$tmp/paged_ops"
     cp paged_ops/*.py "$tmp/paged_ops/"
     echo "CPU-only build of a copy in $tmp (MAX_JOBS=$MAX_JOBS)"
-    (cd "$tmp" && PAGED_OPS_BUILD_CUDA=0 PAGED_OPS_CPU_VARIANTS=0 "$PY" setup.py build_ext \
+    (cd "$tmp" && PAGED_OPS_BUILD_CUDA=0 PAGED_OPS_CPU_VARIANTS=none "$PY" setup.py build_ext \
       --inplace) || return 1
     # From the copy (python puts the working directory first on sys.path).
     (cd "$tmp" && PYTHONPATH="$tmp" "$PY" - <<'EOF') || return 1
@@ -188,7 +188,7 @@ EOF
   # No CPU-capability variants: they are one long compile each, built one after the other,
   # and the CUDA tests compare with the reference, not with the CPU kernels.
   echo "build for sm_${arch/./} with MAX_JOBS=$MAX_JOBS"
-  PAGED_OPS_BUILD_CUDA=1 PAGED_OPS_CPU_VARIANTS=0 TORCH_CUDA_ARCH_LIST="$arch" "$PY" setup.py \
+  PAGED_OPS_BUILD_CUDA=1 PAGED_OPS_CPU_VARIANTS=none TORCH_CUDA_ARCH_LIST="$arch" "$PY" setup.py \
     build_ext --inplace || return 1
   PYTHONPATH="$ROOT" "$PY" -c "import paged_ops, torch, sys
 ok = paged_ops.built_with_cuda() and torch.cuda.is_available()

@@ -107,12 +107,22 @@ def script_digest(variant="avx2"):
         return hashlib.sha256(fh.read() + " ".join(cflags + ldflags).encode())
 
 
-def compile_variant(tree, so, defines=(), variant="avx2"):
-    """Builds the kernel library `variant` (avx2, avx512, avx512_bf16) of the csrc tree `tree`
-    into `so`."""
+def compile_variant(tree, so, defines=(), variant="avx2", jobs=None):
+    """Builds the kernel library `variant` (avx2, avx512, ...) of the csrc tree `tree` into
+    `so`: a tree with csrc/cpu/builds/ by its units, `jobs` at a time; an older tree by its
+    one file per build (csrc/cpu/variant_<name>.cpp), which defines the build's switches
+    itself."""
     cflags, ldflags = compile_flags(variant)
-    subprocess.run(["g++", *cflags, *defines, f"-I{tree}",
-                    os.path.join(tree, _cpu_build.variant_source(variant)), "-o", so, *ldflags],
+    if os.path.exists(os.path.join(tree, "cpu", "builds")):
+        _cpu_build.compile_library(tree, so, [*cflags, *defines], ldflags, jobs)
+        return
+    isa = [f for f in _cpu_build.VARIANTS[variant][0] if not f.startswith("-D")]
+    cap = _cpu_build.VARIANTS[variant][1]
+    old = [f for f in cflags if not f.startswith("-D") or f.startswith("-D_GLIBCXX")]
+    old = [f for f in old if f not in _cpu_build.VARIANTS[variant][0]]
+    subprocess.run(["g++", *old, *isa, f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}",
+                    *defines, "-shared", f"-I{tree}",
+                    os.path.join(tree, "cpu", f"variant_{variant}.cpp"), "-o", so, *ldflags],
                    check=True)
 
 

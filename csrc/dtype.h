@@ -11,4 +11,8 @@ namespace paged {
 // torch.float8_e5m2). The values are part of the CPU kernel table's ABI (cpu/kernels.h).
 enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2, F8E4M3 = 3, F8E5M2 = 4 };
 
+constexpr int64_t dtype_size(DType t) {
+  return t == DType::F32 ? 4 : t == DType::F16 || t == DType::BF16 ? 2 : 1;
+}
+
 }  // namespace paged

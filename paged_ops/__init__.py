@@ -16,6 +16,7 @@ import torch
 
 from . import (
     _C,  # noqa: F401  (registers torch.ops.paged.*)
+    _cpu_build,
     _fake,  # noqa: F401  (fake impls for torch.compile)
 )
 from ._api import (
@@ -64,11 +65,10 @@ def built_with_cuda() -> bool:
 # In order of instruction sets.
 _VARIANT_NAMES = ("default", "avx2", "avx512", "avx512_bf16", "avx512_amx")
 
-# The builds an AVX-512 CPU can run, fastest first as measured on one (docs/cpu_kernel_selection.md:
-# a Sapphire Rapids Xeon, every cache dtype and block size 1-256, interleaved A/B); the AMX
-# build measured no faster than avx512_bf16 on caches read from memory, so it runs only when
-# asked for.
-_AVX512_PREFERENCE = ["avx512_bf16", "avx512", "avx2", "avx512_amx"]
+# The builds, fastest first where a CPU runs several (docs/cpu_kernel_selection.md: every
+# cache dtype and block size 1-256 on an AVX-512 Xeon, interleaved A/B); the AMX build is no
+# faster than avx512_bf16 on caches read from memory, so it runs only when asked for.
+_PREFERENCE = ["avx512_bf16", "avx512", "avx2", "avx512_amx"]
 # Selected build -> {other build: {cache dtype: the block sizes it runs instead}}: the cells
 # where the other build measured faster on all three shapes in two runs
 # (docs/cpu_kernel_selection.md).
@@ -105,26 +105,16 @@ def _variant_library(name: str) -> str | None:
     return found[0] if found else None
 
 
-def _cpu_has(*features: str) -> bool:
-    # ATen's cpuinfo flags; an older torch without them reports none (the avx512 build runs).
-    get = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    flags = get() if get is not None else {}
-    return all(flags.get(f, False) for f in features)
-
-
 def supported_cpu_kernel_variants() -> list[str]:
     """CPU kernel variants this CPU can run (per ATen's capability detection, which honours
     ``ATEN_CPU_CAPABILITY``) and that were built, the fastest measured first (the one selected
     at import); ``"default"`` is always last."""
-    cap = torch.backends.cpu.get_cpu_capability().upper()
-    order = {"AVX512": list(_AVX512_PREFERENCE), "AVX2": ["avx2"]}.get(cap, [])
-    # avx512_bf16 and avx512_amx are also compiled for AVX512-VBMI (fp8 keys decoded by byte
-    # tables, vpermi2b): every CPU with AVX512-BF16 has it but Cooper Lake, which runs avx512.
-    if not _cpu_has("avx512_bf16", "avx512_vbmi"):
-        order = [n for n in order if n not in ("avx512_bf16", "avx512_amx")]
-    if not _cpu_has("amx_tile", "amx_bf16"):
-        order = [n for n in order if n != "avx512_amx"]
-    built = [n for n in order if _variant_library(n)]
+    cap = torch.backends.cpu.get_cpu_capability()
+    # ATen's cpuinfo flags; an older torch without them reports none.
+    get = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    flags = get() if get is not None else {}
+    built = [n for n in _PREFERENCE
+             if _cpu_build.runnable(n, cap, flags) and _variant_library(n)]
     return built + ["default"]
 
 

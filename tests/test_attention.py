@@ -85,7 +85,7 @@ def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
     # the group's tail padded with -inf), and at a half or a quarter of it several V rows share
     # a p.v vector (head size 68: a last step of fewer rows); the others pad each block's row
     # to whole vectors. Below the vector width without a path of their own (1, 3, 5; 2 and 12
-    # on 16 lanes), blocks are staged (csrc/cpu/staging.h): with head size 68 their values
+    # on 16 lanes), blocks are staged (csrc/cpu/attention/staging.h): with head size 68 their values
     # too, else p.v reads the cache's values (pv_tiny). Three vectors per V row (48 on 16
     # lanes, 24 on 8) take the tiled p.v path; other whole vector counts (80, 96 on 16 lanes;
     # 40, 56 on 8) and on 16 lanes rows half a vector short (24, 40, 56) pv_group_any.
@@ -103,7 +103,7 @@ def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
 @pytest.mark.parametrize("block_size", [1, 3, 7])
 def test_staged_block_sizes(dtype, block_size):
     # Staged blocks (several cache blocks copied into one of a size the fast paths read,
-    # csrc/cpu/staging.h) across groups, kv heads and items: a long sequence split over the
+    # csrc/cpu/attention/staging.h) across groups, kv heads and items: a long sequence split over the
     # threads, windows that start inside a staged block and inside a cache block, ALiBi and a
     # soft cap; the unwritten slots of the last block hold NaN.
     bs = block_size
@@ -174,7 +174,7 @@ def test_work_split_over_threads(threads, case):
     # How decode is cut into items depends on the thread count: whole sequences with every kv
     # head, block-range splits merged afterwards, and kv heads halved into uneven chunks (5 kv
     # heads: 3 + 2, then 2 + 1 + 2 ...). Every cut must give the same answer.
-    # Splits cover at least 512 tokens at head size 128 (1024 at 64, csrc/cpu/work_plan.h):
+    # Splits cover at least 512 tokens at head size 128 (1024 at 64, csrc/cpu/attention/work_plan.h):
     # one_long splits in 4, few_mixed in 2 (empty splits for the short ones).
     lens = {"one_short": [40], "one_long": [4500], "few_mixed": [2100, 1, 129]}[case]
     pg = make_paged(lens, 5, 64, 16, torch.float32, seed=11)

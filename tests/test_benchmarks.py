@@ -37,7 +37,7 @@ def test_ab_kernels_extracts_a_revision_and_the_working_tree(tmp_path):
     # ab_kernels.py builds the kernel of each revision from its csrc/ (git archive, or a copy
     # of the working tree); the build itself is left to the script's own runs.
     ab = load("ab_kernels")
-    kernel = os.path.join("csrc", "cpu", "attention_kernel.h")
+    kernel = os.path.join("csrc", "cpu", "attention", "kernel.h")
     key_head = ab.extract("HEAD", str(tmp_path / "head"))
     assert os.path.exists(tmp_path / "head" / kernel) and key_head.startswith("git-")
     key_wt = ab.extract(".", str(tmp_path / "wt"))

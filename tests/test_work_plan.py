@@ -1,4 +1,4 @@
-"""The CPU attention kernel's work plan (csrc/cpu/work_plan.h), checked without torch.
+"""The CPU attention kernel's work plan (csrc/cpu/attention/work_plan.h), checked without torch.
 
 make_plan cuts a call into items and item_info says what each covers; a mistake there (a row or
 block covered twice or not at all, a split leaving a gap, a range past the sequence) gives wrong

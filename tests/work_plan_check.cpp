@@ -1,4 +1,4 @@
-// Checks the CPU attention kernel's work plan (csrc/cpu/work_plan.h) without torch: for a call's
+// Checks the CPU attention kernel's work plan (csrc/cpu/attention/work_plan.h) without torch: for a call's
 // shape, make_plan's items, taken together through item_info, must cover every (sequence, kv
 // head, query row, visible block) exactly once and nothing out of bounds, and the plan's sizes
 // must follow the heuristic the header documents. A wrong plan computes wrong attention only
@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/work_plan.h"
+#include "cpu/attention/work_plan.h"
 
 using namespace paged::cpu;
 

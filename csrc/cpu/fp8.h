@@ -1,6 +1,6 @@
 // fp8 caches (torch.float8_e4m3fn, torch.float8_e5m2): the encoder reshape_and_cache
 // quantises with (cache_ops.cpp) and the decoder's scalar parts the attention kernel reads with
-// (attention_kernel.h, whose element loads also hold the vector decode). Compiled into every
+// (attention/kernel.h, whose element loads also hold the vector decode). Compiled into every
 // CPU build that includes it (namespace CPU_CAPABILITY).
 #pragma once
 
@@ -52,7 +52,7 @@ inline const float* fp8_table() {
 // The e4m3 NaN (magnitude 0x7f). The vector decode of the AVX2 and AVX-512 builds reads it as
 // a finite number; the kernel finds it by scanning each block it reads instead (a bound on the
 // decode's cost: two instructions per 64 bytes here against two per 16-32 values there), and
-// sets the logits and outputs it reaches to NaN (attention_kernel.h, ItemWorker).
+// sets the logits and outputs it reaches to NaN (attention/nonfinite.h).
 inline bool is_e4m3_nan(uint8_t b) { return (b & 0x7F) == 0x7F; }
 // Whether n bytes hold an e4m3 NaN: their largest magnitude is 0x7f exactly then (a max
 // reduction the compiler vectorises).

@@ -4,7 +4,7 @@
 // block size the fast paths take), in the cache's own layout and type: cache block j at
 // tokens [j bs, (j + 1) bs), hidden tokens and the padding up to `size` zeroed. The kernel
 // then runs on staged blocks as on any other block; positions come from the first cache
-// block of each (ItemWorker::first_token). Values are copied only where pv_tiny cannot read
+// block of each (ItemState::first_token). Values are copied only where pv_tiny cannot read
 // them in place (pv.h).
 //
 // At block size 1 a group of 4 blocks is 4 tokens: one softmax step per 4 tokens, V rows of
@@ -17,19 +17,11 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/element_loads.h"
+#include "cpu/attention/element_loads.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 
-// Block sizes staged although a fast path takes them: those below PAGED_OPS_STAGE_BELOW (0:
-// none). Staged blocks of at least PAGED_OPS_STAGE_MIN tokens. Switches for measurements.
-#ifndef PAGED_OPS_STAGE_BELOW
-#define PAGED_OPS_STAGE_BELOW 0
-#endif
-#ifndef PAGED_OPS_STAGE_MIN
-#define PAGED_OPS_STAGE_MIN 0
-#endif
 
 // At most this many cache blocks per staged block (the copies' pointer arrays).
 constexpr int64_t kMaxStagePer = 64;
@@ -42,8 +34,8 @@ struct StageShape {
 // The smallest staged size of 1, 2, 3, 4, 8, 12, ... vectors (up to 256 tokens; the counts
 // pv_group takes) that whole cache blocks fill to 90% or more, else the fullest one: 1 -> 16 x
 // 1 (on 16 lanes), 3 -> 5 x 3 in 16, 12 -> 4 x 12 in 48, 24 -> 2 x 24 in 48. Padding costs
-// arithmetic, not memory: it is never read from the cache. Staged in 48 rather than 64
-// (5 x 12), block size 12 measured 1.06-1.14x.
+// arithmetic, not memory: it is never read from the cache (block size 12 in 48 rather than 5
+// x 12 in 64: less padding).
 inline StageShape stage_shape(int64_t bs, int64_t min_size) {
   StageShape best;
   int64_t best_tokens = 0, best_size = 1;

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "cpu/element_loads.h"
+#include "cpu/attention/element_loads.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
@@ -86,8 +86,8 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
   int64_t j = 0;
   if constexpr (ONE_Q) {
     // Four K vectors per step where 32 vector registers hold 4 G_T accumulators (16 lanes):
-    // 4 K loads + G_T q loads feed 4 G_T FMAs. Against three: fp16 at block size 8 (a chunk
-    // of 4 vectors, else taken as 3 + 1) 1.07-1.09x, fp8 1.01-1.05x, others level.
+    // 4 K loads + G_T q loads feed 4 G_T FMAs (a chunk of 4 vectors, fp16 at block size 8,
+    // would otherwise be taken as 3 + 1).
     if constexpr (kQkFourVectors) {
       for (; j + 4 * W <= chunk_elems; j += 4 * W)
         qk_step<G_T, 4, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, j, j);
@@ -199,13 +199,10 @@ inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {
 // q.k of an fp8 key block by table decode (Layout::fp8_tables): qk_step's units of H = 4
 // vectors; qrep[g][c] holds the q chunk in decode_fp8_by_tables' order (4 W floats, fill_qrep).
 // Two units per step share each q vector (8 accumulators, 8 K vectors and the tables live).
-#ifndef PAGED_OPS_QK_FP8_UNITS
-#define PAGED_OPS_QK_FP8_UNITS 2
-#endif
 template <int G_T, typename T>
 inline void qk_tile_fp8(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                         int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf) {
-  constexpr int U = PAGED_OPS_QK_FP8_UNITS;
+  constexpr int U = kQkFp8Units;
   const int64_t units = chunk_elems / (4 * W);
   int64_t u = 0;
   for (; u + U <= units; u += U)
@@ -218,7 +215,7 @@ inline void qk_tile_fp8(const T* kblk, const float* qrep, float* raw, int64_t nu
 
 inline int64_t qk_fp8_iterations(int64_t chunk_elems, int64_t num_chunks) {
   const int64_t units = chunk_elems / (4 * W);
-  return (units / PAGED_OPS_QK_FP8_UNITS + units % PAGED_OPS_QK_FP8_UNITS) * num_chunks;
+  return (units / kQkFp8Units + units % kQkFp8Units) * num_chunks;
 }
 
 // z[t] = scale * sum_i raw[t * X + i] for t < ntok: the tokens sum_lane_groups_by_shuffles

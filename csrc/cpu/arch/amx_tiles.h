@@ -97,7 +97,7 @@ inline void store(void* p, int64_t stride) {
 #undef PAGED_OPS_AMX_STORE
 }
 #undef PAGED_OPS_AMX_EACH_TILE
-// The combinations the kernel uses (amx_attention.h: q.k into tiles 2 and 3 from 0 and 1,
+// The combinations the kernel uses (attention/amx.h: q.k into tiles 2 and 3 from 0 and 1,
 // p.v into 6 and 7 from 4 and 5; from 64 tokens the second chains borrow the other phase's
 // tiles: q.k into 3 from 4 and 5, p.v into 7 from 0 and 5).
 template <int C, int A, int B>

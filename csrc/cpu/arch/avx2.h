@@ -1,4 +1,4 @@
-// The AVX2 build's instruction-set hooks (isa.h; their contracts: isa_portable.h): fp8 decode
+// The AVX2 build's instruction-set hooks (isa.h; their contracts: portable.h): fp8 decode
 // with F16C, bf16 read in pairs, lane sums by hadd trees, and fill_qrep's vector moves.
 #pragma once
 
@@ -12,7 +12,7 @@
 #include <type_traits>
 
 #include "cpu/fp8.h"
-#include "cpu/isa_portable.h"
+#include "cpu/arch/portable.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
@@ -99,13 +99,13 @@ inline void split_pairs(float* p) {
 
 // ---- registers and lane sums --------------------------------------------------------------
 
-// permute_lanes (isa_portable.h): vpermps.
+// permute_lanes (portable.h): vpermps.
 C10_ALWAYS_INLINE VecF permute_lanes(const VecF& v, const int32_t* idx) {
   const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx));
   return VecF(_mm256_permutevar8x32_ps(v, i));
 }
 
-// repeat_lanes (isa_portable.h) by one broadcast load.
+// repeat_lanes (portable.h) by one broadcast load.
 template <int H>
 C10_ALWAYS_INLINE VecF repeat_lanes(const float* p) {
   if constexpr (H == 1) {

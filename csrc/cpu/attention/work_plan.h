@@ -8,23 +8,13 @@
 #include <new>
 #include <vector>
 
+#include "cpu/attention/tuning.h"
 #include "cpu/kernels.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 
-// Blocks per softmax step (see the block loop of attention_impl): at most kGroup, and about
-// kGroupBytes of one kv head's keys (as many of values), so that a group's K and V and the
-// next group's, prefetched meanwhile, stay well inside L2 whatever the block size, head size
-// and cache dtype.
-#ifndef PAGED_OPS_GROUP_BLOCKS
-#define PAGED_OPS_GROUP_BLOCKS 4
-#endif
-constexpr int64_t kGroup = PAGED_OPS_GROUP_BLOCKS;
-#ifndef PAGED_OPS_GROUP_BYTES
-#define PAGED_OPS_GROUP_BYTES 65536
-#endif
-constexpr int64_t kGroupBytes = PAGED_OPS_GROUP_BYTES;
+// kGroup, kGroupBytes, kMinSplitElements, kMinTaskElements, kMinVisitTokens: tuning.h.
 
 template <typename T, typename A>
 inline void grow(std::vector<T, A>& v, int64_t n) {
@@ -58,7 +48,7 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 // faulted in on every call.)
 struct CallScratch {
   std::vector<int64_t> chunk_start;  // Plan::chunk_start
-  std::vector<float> part_ml, part_o;  // split-K partial states (attention_impl)
+  std::vector<float> part_ml, part_o;  // split-K partial states (attention_cache)
 };
 
 inline CallScratch& call_scratch() {
@@ -74,21 +64,6 @@ inline int64_t first_visible(const AttentionParams& P, int64_t Ppos) {
 // The plan sizes work in key elements of one kv head (tokens x head size), not in blocks, so
 // that it holds at every block size. Not in bytes: a small call's time follows its arithmetic,
 // the same per element for every cache dtype.
-// A split of a sequence's blocks covers at least this many, so that each item runs long
-// enough for its prefetches to pay and the merge of the splits' states stays negligible: 512
-// tokens at head size 128. Against 8 blocks per split (B=1, L=512-4096, block sizes 2-256,
-// bf16 and fp32, avx512_bf16, 2 threads): 1.01-1.12x at L=512, 0.93-1.03x at 1024 and 4096;
-// at 128 tokens (16 Ki) 0.84-1.02x at block sizes 128 and 256; 2048 tokens 0.91x at 2.
-#ifndef PAGED_OPS_MIN_SPLIT_ELEMENTS
-#define PAGED_OPS_MIN_SPLIT_ELEMENTS (64 << 10)
-#endif
-constexpr int64_t kMinSplitElements = PAGED_OPS_MIN_SPLIT_ELEMENTS;
-// A parallel task covers at least this many key elements x query rows (about 2 us; see
-// make_plan's grain), a block visit counting at least kMinVisitTokens tokens (the per-block
-// steps cost as much below it): 16 (block, row) visits at block size 16, head size 128.
-constexpr int64_t kMinTaskElements = 32 << 10;
-constexpr int64_t kMinVisitTokens = 16;
-
 // How the work is cut: items enumerate (sequence, kv heads, token chunk, split).
 struct Plan {
   int64_t tokens_per_chunk;  // query tokens per item (1 for decode)

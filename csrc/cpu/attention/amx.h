@@ -25,9 +25,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/amx_tiles.h"
-#include "cpu/element_loads.h"
-#include "cpu/staging.h"
+#include "cpu/arch/amx_tiles.h"
+#include "cpu/attention/element_loads.h"
+#include "cpu/attention/staging.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
@@ -46,10 +46,6 @@ inline int64_t amx_qk_tokens(int64_t bs) { return std::min<int64_t>(bs, 64); }
 inline int64_t amx_pv_tokens(int64_t bs) { return std::min<int64_t>(bs, 32); }
 // From 64 tokens every tile is 16 rows of 64 bytes, so q.k and p.v may borrow each other's.
 inline bool amx_tiles_alike(int64_t bs) { return bs % 64 == 0; }
-#ifndef PAGED_OPS_AMX_TWO_CHAINS
-#define PAGED_OPS_AMX_TWO_CHAINS 1
-#endif
-constexpr bool kAmxTwoChains = PAGED_OPS_AMX_TWO_CHAINS;
 
 inline void amx_configure(int64_t bs) {
   const int qk_rows = static_cast<int>(amx_qk_tokens(bs) / 4);
@@ -184,8 +180,8 @@ inline void amx_pv_group(const c10::BFloat16* const* v, int64_t nb, int64_t bs, 
     if (two) amx::zero<kPvC1>();
     for (int64_t k = 0; k < nb; ++k) {
       // The same rows of the next block, meanwhile, a share before each tile load: asked for
-      // in one burst (8 KiB at block size 128) they waited for the core's miss buffers, and
-      // the tile loads behind them (paced: 1.07-1.19x at block sizes 128 and 256).
+      // in one burst (8 KiB at block size 128) they wait for the core's miss buffers, and so
+      // do the tile loads behind them.
       const char* pf = reinterpret_cast<const char*>(next[k]) + d0 * vrow_bytes;
       const int64_t pf_bytes = (two ? 32 : 16) * vrow_bytes;
       PrefetchCursor vpf(pf, pf_bytes, bs / tok * (two ? 2 : 1));

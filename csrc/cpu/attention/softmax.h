@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "cpu/element_loads.h"
+#include "cpu/attention/element_loads.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {

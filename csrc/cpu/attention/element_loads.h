@@ -13,7 +13,8 @@
 #include <cstring>
 
 #include "cpu/fp8.h"
-#include "cpu/isa.h"
+#include "cpu/arch/isa.h"
+#include "cpu/attention/tuning.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
@@ -84,30 +85,22 @@ inline float to_f32(T v) {
 // over the loops that read the current ones: the table scatters blocks, so the hardware
 // prefetcher cannot find the next group, and a burst of prefetches for whole blocks stalls on
 // the core's miss buffers. Into L2 (locality 1), so the current blocks keep L1. Issued
-// unconditionally at the pace of the reads (a line may be asked for twice): measured faster
-// than a branch per line. (Values prefetched in address order instead, part of it during the
-// softmax, measured 3-10% slower.)
-// PAGED_OPS_PREFETCH_LOCALITY: the locality hint, a compile-time switch for benchmarks (-1:
-// no software prefetch). Against L2 (1), on the Xeon of benchmarks/RESULTS.md, bf16 and fp32
-// at block sizes 16 and 128: L1 (3) 0.88-0.93x, non-temporal (0) 0.38-0.44x, none 0.72-0.90x.
-#ifndef PAGED_OPS_PREFETCH_LOCALITY
-#define PAGED_OPS_PREFETCH_LOCALITY 1
-#endif
+// unconditionally at the pace of the reads (a line may be asked for twice): cheaper than a
+// branch per line. (Values are prefetched by rows with the reads that follow them, not in
+// address order.)
+// The locality hint: kPrefetchLocality (tuning.h).
 inline void prefetch_l2(const void* p) {
-#if PAGED_OPS_PREFETCH_LOCALITY >= 0
-  __builtin_prefetch(p, 0, PAGED_OPS_PREFETCH_LOCALITY);
-#endif
+  if constexpr (kPrefetchLocality >= 0) __builtin_prefetch(p, 0, kPrefetchLocality);
 }
 
 // Prefetch of a key block in address order, spread evenly over the q.k loop that runs
 // meanwhile: one step() per chunk iteration, `calls` in all, each prefetching per_call lines
 // (more than one only when the block has more lines than the loop has iterations), the line
-// index advancing by a fixed-point fraction. q.k reads a key block in strided passes, and
-// prefetches issued in that order were measured 6-7% slower (same access, microbenchmark)
-// than in address order. Spreading matters: two lines per iteration from the block's start
-// (all of a 16-bit block prefetched in the first 40% of its q.k, then the last line asked
-// for again and again) made 16-bit caches 8-17% slower; every line must be asked for (every
-// other line: 20% slower).
+// index advancing by a fixed-point fraction. q.k reads a key block in strided passes;
+// prefetches issued in that order are slower than in address order. Spreading matters: two
+// lines per iteration from the block's start (all of a 16-bit block asked for early in its
+// q.k, then the last line again and again) stalls on the miss buffers; and every line must be
+// asked for.
 // A cursor may also walk a list of line addresses (lines): the real blocks behind a staged
 // block (staging.h) are scattered runs, not one range.
 struct PrefetchCursor {

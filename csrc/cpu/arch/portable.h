@@ -52,7 +52,7 @@ C10_ALWAYS_INLINE void decode_fp8_two(const uint8_t*, VecF&, VecF&) {}
 // tables of fp8.h, where kFp8Tables, in the kernel's units (NaN and Inf included): out[h] lane
 // 4 L + j is byte 16 L + kFp8TableOrder[h] + 2 j (even elements of each group's first half,
 // odd ones, then the same of its second half), the order two byte interleaves and a shift or a
-// mask per vector leave (isa_avx512.h); q.k lays out its query to match. Portable: the same
+// mask per vector leave (avx512.h); q.k lays out its query to match. Portable: the same
 // lanes from the same tables, one by one, so that the emulated test builds run this path.
 #if defined(PAGED_OPS_FP8_TABLES)
 constexpr bool kFp8Tables = true;
@@ -182,7 +182,7 @@ C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float*, int64_t, int
   return 0;
 }
 
-// One chunk of fill_qrep (attention_kernel.h): the x elements at chunk repeated into
+// One chunk of fill_qrep (attention/qk_paths.h): the x elements at chunk repeated into
 // rp[0, q_repeat), x < q_repeat; with split_k (set only where kSplitPairs) the even elements,
 // then the odd ones, each twice. Portable: element by element (split_k is never set).
 C10_ALWAYS_INLINE void fill_qrep_chunk(const float* chunk, float* rp, int64_t x,

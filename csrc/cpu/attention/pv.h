@@ -9,9 +9,9 @@
 #include <cstring>
 #include <type_traits>
 
-#include "cpu/element_loads.h"
-#include "cpu/staging.h"
-#include "cpu/work_plan.h"
+#include "cpu/attention/element_loads.h"
+#include "cpu/attention/staging.h"
+#include "cpu/attention/work_plan.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
@@ -42,7 +42,7 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // - 8 lanes (AVX2, portable): the lanes are summed once per group into the rows' running sums
 //   o (tile_sums, which also applies the softmax rescale alpha). The running sums are D floats
 //   per row, where per-lane accumulators kept across groups would be D * W floats per row,
-//   loaded and stored from L2 (figures: benchmarks/RESULTS.md).
+//   loaded and stored from L2.
 // - 16 lanes (kLaneAcc): the accumulators are kept across groups in acc (W lanes per d,
 //   rescaled by SoftmaxState::step) and summed into o only on the item's last group (last;
 //   an item of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only;
@@ -52,25 +52,8 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // written, not read). NB > 0: a full group of NB blocks, unrolled (pointers stay in
 // registers); NB = 0: nb. NV = 1, 2, 3: that many vectors per V row; NV = 4: any multiple of 4
 // (nv_in of them, block sizes 4 W and up), in steps of 4.
-constexpr bool kLaneAcc = W == 16;
-// V rows per pv_group step, and the steps of a pass over D rows (as pv_group takes them).
-// Where 32 vector registers hold them (16 lanes), 4 rows: 16 accumulators for a tile of 4
-// query rows, 4 V vectors and a probability. Against 2 rows (block sizes 64-256) and 3 rows
-// (32), on the Xeon of benchmarks/RESULTS.md: bs 64-256 1.00-1.10x (fp32, fp16, bf16, fp8),
-// bs 16 fp16 1.03-1.07x, fp32 and fp8 0.97-1.03x; bs 32 0.98-1.06x (kept at 3). The 8-lane
-// builds (16 registers) take 2 and 3. The switches are for such measurements.
-#ifndef PAGED_OPS_PV_DT_WIDE
-#define PAGED_OPS_PV_DT_WIDE (W == 16 ? 4 : 2)
-#endif
-#ifndef PAGED_OPS_PV_DT_NV2
-#define PAGED_OPS_PV_DT_NV2 3
-#endif
-#ifndef PAGED_OPS_PV_DT_NV1
-#define PAGED_OPS_PV_DT_NV1 (W == 16 ? 4 : 2)
-#endif
-constexpr int pv_rows_per_step(int NV) {
-  return NV == 2 ? PAGED_OPS_PV_DT_NV2 : NV == 1 ? PAGED_OPS_PV_DT_NV1 : PAGED_OPS_PV_DT_WIDE;
-}
+constexpr bool kLaneAcc = keep_lane_sums(W);
+constexpr int pv_rows_per_step(int NV) { return paged::cpu::pv_rows_per_step(NV, W); }
 inline int64_t pv_steps(int NV, int64_t D) {
   const int64_t dt = pv_rows_per_step(NV);
   int64_t n = D / dt, rest = D % dt;
@@ -79,16 +62,14 @@ inline int64_t pv_steps(int NV, int64_t D) {
 }
 // Long V rows (4 lines and more) have their next rows' prefetches spread over the vector
 // iterations instead of issued together at the start of each step: a burst of prefetches
-// waits for the core's miss buffers, and the FMAs behind it wait too. Measured against the
-// burst on the Xeon of RESULTS.md (B=8 L=2048): bs 128 and 256 1.02-1.06x (bf16, fp16),
-// bs 64 (2-line rows) 0.97-1.00x, hence only from 4 lines.
+// waits for the core's miss buffers, and the FMAs behind it wait too. Rows of 2 lines gain
+// nothing from pacing, hence only from 4 lines.
 constexpr int64_t kPacedRowBytes = 256;
 // The rows [d, d + rows) of the next block (next), asked for by a p.v step that reads the same
 // rows of its block: each row where rows are at most a line, each line of them at once, or
 // from kPacedRowBytes their lines spread over the step's `calls` vector iterations by the
-// cursor returned (empty otherwise). pv_group_any's: through this call it measured 1.02-1.25x
-// at block size 40 against the same code in place (GCC lays out its loop differently);
-// pv_group keeps the code in place, where the call measured 0.88-0.97x.
+// cursor returned (empty otherwise). pv_group_any calls it (GCC lays out its loop better
+// that way); pv_group keeps the same code in place, where the call is slower.
 template <typename NT>
 inline PrefetchCursor prefetch_next_rows(const NT* next, int64_t d, int rows, int64_t vrow_bytes,
                                          int64_t calls) {
@@ -118,8 +99,8 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
   }
   // DT V rows per step share each probability load (one load feeds DT FMAs). RT * DT
   // accumulators: each takes NV * nb dependent FMAs per step, so 8 (RT = 4, DT = 2) just
-  // cover the FMA latency x throughput and stall on any delay; 12 measured 5-10% faster for
-  // 16-bit caches on AVX2 (fp32: same), 16 faster again on AVX-512 (pv_rows_per_step). The V
+  // cover the FMA latency x throughput and stall on any delay; 12 (AVX2) and 16 (AVX-512)
+  // leave slack (pv_rows_per_step, tuning.h). The V
   // vectors are loaded per vector iteration i (DT + RT * DT + 1 registers).
   constexpr int DT = pv_rows_per_step(NV);
   auto step = [&](int64_t d, auto dt_c) {
@@ -143,10 +124,9 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
       }
       for (int64_t i0 = 0; i0 < nv; i0 += NV) {
         // fp8 rows two vectors at a time on the 16-lane builds: one 32-byte load, widened and
-        // shifted once for both (load2_f32). Against one at a time, e4m3 and e5m2 on
-        // avx512_bf16: block size 32 1.06-1.12x, 64-256 0.99-1.06x. (8 lanes: 16 registers
-        // do not hold twice the V vectors of a step.) A loop of its own: folded into the one
-        // below (vectors per load as a parameter), the 16-bit caches measured 0.91-0.94x.
+        // shifted once for both (load2_f32). (8 lanes: 16 registers do not hold twice the V
+        // vectors of a step.) A loop of its own: folded into the one below (vectors per load
+        // as a parameter), it slows the 16-bit caches.
         if constexpr (W == 16 && NV % 2 == 0 && is_fp8_v<VT> && kDecodeFp8) {
           for (int i = static_cast<int>(i0); i < i0 + NV; i += 2) {
             if constexpr (KREST) k_rest[k].step();
@@ -308,8 +288,8 @@ inline void rows_from_tiles(const float* ot, int64_t R, int64_t D, float* o) {
 // (block_row < a whole vector) the next block's or the next row's probabilities, which may
 // be NaN for a row that sees a NaN key, and 0 * NaN would reach this row). Each row's
 // accumulators stay in registers over the nb blocks (one acc load and store per row d and
-// group, one V load per RT FMAs): against one row and one block at a time, avx512_bf16 at
-// B=8 L=2048: block sizes 1-48 1.05-1.96x (fp16 at 48 0.93x).
+// group, one V load per RT FMAs), where one row and one block at a time would load and store
+// the accumulators per block.
 template <int RT>
 inline void pv_row_any(const float* const* vb, int64_t nb, const float* p, int64_t p_stride,
                        int64_t block_row, float* acc, int64_t acc_stride, int64_t D,
@@ -340,8 +320,7 @@ inline void pv_row_any(const float* const* vb, int64_t nb, const float* p, int64
 // ones): a vector holds V rows [d, d + RPV) of a block, and the block's probabilities go in
 // each of its RPV parts, so lanes [j bs, (j + 1) bs) of the accumulator acc[(d / RPV) * W] sum
 // row d + j's products (the end of the item sums them by sum_lane_groups, bs lanes per row
-// d). Block size 4 on avx512_bf16 against converting each block to fp32 for pv_row_any:
-// 3.0-4.7x per call (every cache dtype, benchmarks/RESULTS.md). A tile of RT rows
+// d), with no conversion of the blocks to fp32 rows (pv_row_any's). A tile of RT rows
 // keeps DT accumulators each in registers over the nb blocks of the group (one V load feeds RT
 // FMAs); acc holds them between groups (rescaled by SoftmaxState::step). Partly visible blocks
 // arrive with their hidden columns zeroed. init: the item's first group (acc is written, not
@@ -349,8 +328,8 @@ inline void pv_row_any(const float* const* vb, int64_t nb, const float* p, int64
 //
 // Each step reads rows [d, d + 2 RPV) of every block and asks for the same rows of the next
 // blocks (next[k]; each line once, in the step whose rows it starts in), and k_rest[k] (KREST)
-// steps once per block and step: without them the core's miss buffers sat idle through p.v and
-// the V loads missed (62% of pv's samples on the V load).
+// steps once per block and step: without them the core's miss buffers sit idle through p.v
+// and the V loads miss.
 // pv_tiny's V vectors per step (RT * kTinySteps accumulators), and its steps over D rows.
 constexpr int kTinySteps = 4;
 inline int64_t pv_tiny_steps(int64_t D, int64_t bs) {
@@ -573,6 +552,31 @@ inline void store_scaled(const float* src, float s, QT* out, int64_t n) {
           .store(out + d);
   }
   for (; d < n; ++d) out[d] = static_cast<QT>(src[d] * s);
+}
+
+// store_scaled into an output row of dtype `dt` (fp32, fp16 or bf16, checked by the op).
+inline void store_scaled_as(DType dt, const float* src, float s, void* out, int64_t n) {
+  switch (dt) {
+    case DType::F16: return store_scaled(src, s, static_cast<c10::Half*>(out), n);
+    case DType::BF16: return store_scaled(src, s, static_cast<c10::BFloat16*>(out), n);
+    default: return store_scaled(src, s, static_cast<float*>(out), n);
+  }
+}
+
+// A query row of dtype `dt` times s, in fp32.
+template <typename QT>
+inline void scaled_row_to_f32(const QT* q, float* dst, int64_t n, float s) {
+  for (int64_t d = 0; d < n; d += W) {
+    const int64_t m = std::min<int64_t>(W, n - d);
+    (load_f32(q + d, m) * VecF(s)).store(dst + d, m);
+  }
+}
+inline void query_row_to_f32(const void* q, DType dt, float* dst, int64_t n, float s) {
+  switch (dt) {
+    case DType::F16: return scaled_row_to_f32(static_cast<const c10::Half*>(q), dst, n, s);
+    case DType::BF16: return scaled_row_to_f32(static_cast<const c10::BFloat16*>(q), dst, n, s);
+    default: return scaled_row_to_f32(static_cast<const float*>(q), dst, n, s);
+  }
 }
 
 // Convert (16-bit / fp8 caches) or copy a [D][bs] V block to fp32, zeroing columns outside

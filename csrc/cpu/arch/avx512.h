@@ -1,4 +1,4 @@
-// The AVX-512 builds' instruction-set hooks (isa.h; their contracts: isa_portable.h): fp8
+// The AVX-512 builds' instruction-set hooks (isa.h; their contracts: portable.h): fp8
 // decode with F16C, and vdpbf16ps in the builds compiled with AVX512-BF16 (avx512_bf16,
 // avx512_amx), lane sums of many vectors by shuffle trees over 128-bit blocks (tile_sums in
 // pv.h sums each vector by ATen's hsum), and bf16 is not read in pairs.
@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #include "cpu/fp8.h"
-#include "cpu/isa_portable.h"
+#include "cpu/arch/portable.h"
 
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
@@ -28,7 +28,7 @@ using portable::load_bf16_pairs;
 using portable::split_pairs;
 using portable::tile_sums_by_shuffles;
 
-// ---- fp8 -> fp32: as on AVX2 (isa_avx2.h), 16 lanes --------------------------------------
+// ---- fp8 -> fp32: as on AVX2 (avx2.h), 16 lanes --------------------------------------
 
 constexpr bool kDecodeFp8 = true;
 
@@ -59,16 +59,15 @@ C10_ALWAYS_INLINE void decode_fp8_two(const uint8_t* b, VecF& lo, VecF& hi) {
   hi = VecF(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
 }
 
-// ---- fp8 -> fp32 by byte tables (isa_portable.h's contract) ------------------------------
+// ---- fp8 -> fp32 by byte tables (portable.h's contract) ------------------------------
 
 // vpermi2b (AVX512-VBMI) looks up 64 bytes in a 128-entry table: one lookup each for the high
 // and the low byte of the bf16 of 64 fp8 values, the sign or-ed into the high byte, two
 // interleaves into bf16 words, and a shift or a mask per vector puts each word in the top half
-// of an fp32 lane: 9 instructions per 64 values (about 13 uops if vpermi2b takes 3, which
-// the timings on the Xeon of benchmarks/RESULTS.md fit), against 4-5 per 16 for the fp16
-// route above, and NaN stays NaN.
-// q.k takes it (Layout::fp8_tables); in p.v, whose decode feeds as many FMAs, it measured
-// 0.89-1.00x of decode_fp8_two (docs/cpu_kernel.md, alternatives).
+// of an fp32 lane: 9 instructions per 64 values (about 13 uops if vpermi2b takes 3), against
+// 4-5 per 16 for the fp16 route above, and NaN stays NaN.
+// q.k takes it (QkPath::Fp8Tables); p.v, whose decode feeds as many FMAs, gains nothing from
+// it over decode_fp8_two (docs/cpu_kernel.md, alternatives).
 using portable::kFp8Tables;
 using portable::kFp8TableOrder;
 #if defined(__AVX512VBMI__)
@@ -187,12 +186,12 @@ C10_ALWAYS_INLINE int64_t sum_lane_groups_by_shuffles(const float* raw, int64_t 
 
 // ---- registers ----------------------------------------------------------------------------
 
-// permute_lanes (isa_portable.h): vpermps.
+// permute_lanes (portable.h): vpermps.
 C10_ALWAYS_INLINE VecF permute_lanes(const VecF& v, const int32_t* idx) {
   return VecF(_mm512_permutexvar_ps(_mm512_loadu_si512(idx), v));
 }
 
-// repeat_lanes (isa_portable.h) by one broadcast load.
+// repeat_lanes (portable.h) by one broadcast load.
 template <int H>
 C10_ALWAYS_INLINE VecF repeat_lanes(const float* p) {
   if constexpr (H == 1) {
