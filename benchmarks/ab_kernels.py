@@ -1,6 +1,6 @@
 """Interleaved A/B of a CPU attention kernel build at two or more source revisions.
 
-Builds the kernel library (AVX2, or ``--variant``: ``csrc/cpu/variant_<name>.cpp`` with the
+Builds the kernel library (AVX2, or ``--variant``: ``csrc/cpu/builds/`` with the
 flags of ``paged_ops/_cpu_build.py``) from each revision's ``csrc/``, a git revision or ``.``
 for the working tree, in a temporary directory, loads them all into one process and times
 decode calls round after round, switching kernels through the table the package uses for CPU
