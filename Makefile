@@ -39,7 +39,7 @@ $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	@mkdir -p build
 	@echo "building paged_ops (CUDA: $(PAGED_OPS_BUILD_CUDA), CPU builds: $(PAGED_OPS_CPU_VARIANTS)); log: build/install.log"
 	@$(PIP) install -v --no-build-isolation --no-deps -e . 2>&1 | tee build/install.log \
-	  | sed -nEu 's/^(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]+) .*/  \1 \2/p; /^paged_ops:|error:/p' \
+	  | sed -nEu 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c [^ ]*\/(csrc\/[^ ]+) .*/  \1 \2/p; s/^ *(paged_ops: .*)/\1/p; /error:/p' \
 	  || { echo "build failed; the end of build/install.log:"; tail -40 build/install.log; exit 1; }
 	touch $@
 

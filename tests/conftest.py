@@ -3,6 +3,11 @@
 import os
 import time
 
+# Before torch loads OpenMP: threads that finish a parallel region sleep instead of spinning.
+# make test runs a test process per core (pytest-xdist), each with torch's threads, and
+# spinning threads would take the cores the other processes need (a tenth of the speed).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from tests.cpu_variants import VARIANTS, use
