@@ -42,6 +42,19 @@ def _hf_generate(model, prompt, max_new_tokens):
                           max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)[0]
 
 
+def _greedy_refs(model, prompts, max_new_tokens):
+    """(references, margins): each prompt's new tokens by _hf_generate, and the smallest gap
+    between the top two logits along them (a near tie would make any comparison luck)."""
+    refs, margins = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = _hf_generate(model, p, max_new_tokens)
+            refs.append(out[len(p):].tolist())
+            top2 = model(out[None]).logits[0, len(p) - 1:-1].topk(2, dim=-1).values
+            margins.append((top2[:, 0] - top2[:, 1]).min().item())
+    return refs, margins
+
+
 @pytest.fixture(scope="module")
 def setup():
     """(model, prompts, references, margins) computed once, before any engine touches the
@@ -51,13 +64,7 @@ def setup():
     g = torch.Generator().manual_seed(1234)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
     prompts[1][4] = 0  # a token equal to pad_token_id inside a prompt
-    refs, margins = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = _hf_generate(model, p, MAX_NEW)
-            refs.append(out[len(p):].tolist())
-            top2 = model(out[None]).logits[0, len(p) - 1:-1].topk(2, dim=-1).values
-            margins.append((top2[:, 0] - top2[:, 1]).min().item())
+    refs, margins = _greedy_refs(model, prompts, MAX_NEW)
     return model, prompts, refs, margins
 
 

@@ -16,7 +16,7 @@ from tests.test_engine import (  # noqa: E402
     MIN_MARGIN,
     _check,
     _check_pool_empty,
-    _hf_generate,
+    _greedy_refs,
     _tiny_llama,
 )
 
@@ -30,13 +30,7 @@ def chunk_setup():
     model = _tiny_llama()
     g = torch.Generator().manual_seed(777)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    refs, margins = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = _hf_generate(model, p, MAX_NEW)
-            refs.append(out[len(p):].tolist())
-            top2 = model(out[None]).logits[0, len(p) - 1:-1].topk(2, dim=-1).values
-            margins.append((top2[:, 0] - top2[:, 1]).min().item())
+    refs, margins = _greedy_refs(model, prompts, MAX_NEW)
     assert min(margins) > MIN_MARGIN, margins
     return model, prompts, refs
 

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paged_ops.engine import ATTN_IMPLEMENTATION, PagedEngine  # noqa: E402
-from tests.test_engine import MIN_MARGIN, _check_pool_empty, _hf_generate  # noqa: E402
+from tests.test_engine import MIN_MARGIN, _check_pool_empty, _greedy_refs  # noqa: E402
 
 PROMPT_LENS = (5, 13, 30)
 MAX_NEW = 10
@@ -41,13 +41,7 @@ def gemma_setup():
     assert "sliding_attention" in model.config.layer_types
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    refs, margins = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = _hf_generate(model, p, MAX_NEW)
-            refs.append(out[len(p):].tolist())
-            top2 = model(out[None]).logits[0, len(p) - 1:-1].topk(2, dim=-1).values
-            margins.append((top2[:, 0] - top2[:, 1]).min().item())
+    refs, margins = _greedy_refs(model, prompts, MAX_NEW)
     assert min(margins) > MIN_MARGIN, margins
     return model, prompts, refs
 
