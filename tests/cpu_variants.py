@@ -8,8 +8,8 @@ uses, 8 lanes) with its width set to 64 bytes, through a copy of ``ATen/cpu/vec/
 edited in a shim include directory. Only the lane operations differ from the AVX-512 build
 (ATen's portable loops instead of its AVX-512 intrinsics), so what the kernel itself does with
 16 lanes is tested everywhere. Built once per kernel source and torch install into the
-temporary directory (reused across runs); where it cannot be built (no C++ compiler, or a torch whose header no
-longer matches the edit), its tests skip and say why.
+temporary directory (reused across runs); where it cannot be built (no C++ compiler, or a
+torch whose header no longer matches the edit), its tests skip and say why.
 """
 
 from __future__ import annotations

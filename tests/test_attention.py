@@ -103,9 +103,9 @@ def test_small_and_uneven_block_sizes(dtype, block_size, head_size):
 @pytest.mark.parametrize("block_size", [1, 3, 7])
 def test_staged_block_sizes(dtype, block_size):
     # Staged blocks (several cache blocks copied into one of a size the fast paths read,
-    # csrc/cpu/attention/staging.h) across groups, kv heads and items: a long sequence split over the
-    # threads, windows that start inside a staged block and inside a cache block, ALiBi and a
-    # soft cap; the unwritten slots of the last block hold NaN.
+    # csrc/cpu/attention/staging.h) across groups, kv heads and items: a long sequence split
+    # over the threads, windows that start inside a staged block and inside a cache block,
+    # ALiBi and a soft cap; the unwritten slots of the last block hold NaN.
     bs = block_size
     lens = [1, bs, 17 * bs + 2, 700]
     pg = make_paged(lens, 2, 128, bs, dtype, seed=60 + bs)
@@ -174,8 +174,9 @@ def test_work_split_over_threads(threads, case):
     # How decode is cut into items depends on the thread count: whole sequences with every kv
     # head, block-range splits merged afterwards, and kv heads halved into uneven chunks (5 kv
     # heads: 3 + 2, then 2 + 1 + 2 ...). Every cut must give the same answer.
-    # Splits cover at least 512 tokens at head size 128 (1024 at 64, csrc/cpu/attention/work_plan.h):
-    # one_long splits in 4, few_mixed in 2 (empty splits for the short ones).
+    # Splits cover at least 512 tokens at head size 128 (1024 at 64, kMinSplitElements in
+    # csrc/cpu/attention/tuning.h): one_long splits in 4, few_mixed in 2 (empty splits for the
+    # short ones).
     lens = {"one_short": [40], "one_long": [4500], "few_mixed": [2100, 1, 129]}[case]
     pg = make_paged(lens, 5, 64, 16, torch.float32, seed=11)
     q = random_query(len(lens), 10, 64, torch.float32, scale=2.0)
