@@ -1,7 +1,7 @@
 // Plain-pointer interface between the CPU op wrappers (ops_cpu.cpp, which check and unpack the
 // tensors) and the attention kernel, which is compiled once per CPU capability (DEFAULT inside
-// _C; AVX2, AVX-512 and AVX-512 with BF16 dot products as separate shared objects, see setup.py
-// and docs/cpu_kernel.md). Nothing here includes torch's tensor headers, so a capability variant
+// _C; AVX2, AVX-512, AVX-512 with BF16 dot products and with AMX as separate shared objects, see
+// setup.py and docs/cpu_kernel.md). Nothing here includes torch's tensor headers, so a capability variant
 // compiles fast and shares no torch inline code with _C.
 #pragma once
 
@@ -51,5 +51,5 @@ constexpr int32_t kKernelAbiVersion = 2;
 }  // namespace paged::cpu
 
 // Exported by each capability variant library; _C keeps its default table internal
-// (kernels_default.cpp) and takes a variant's through paged_ops_set_cpu_kernel_table.
+// (builds/table.cpp) and takes a variant's through paged_ops_set_cpu_kernel_table.
 extern "C" const paged::cpu::KernelTable* paged_ops_cpu_kernel_table();

@@ -17,7 +17,7 @@
 
 namespace paged::cpu {
 
-const KernelTable* default_kernel_table();  // kernels_default.cpp
+const KernelTable* default_kernel_table();  // builds/table.cpp
 
 namespace {
 
