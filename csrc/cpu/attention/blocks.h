@@ -18,8 +18,8 @@ template <typename CT>
 inline void visibility(ItemState<CT>& w, int64_t b0, int64_t nb, GroupBlocks<CT>& g) {
   const Layout<CT>& layout = w.layout;
   Scratch& scratch = w.scratch;
-  ItemInfo& it = w.it;
-  int64_t& R = w.R;
+  const ItemInfo& it = w.it;
+  const int64_t R = w.R;
   g.b0 = b0;
   // Rows see ranges that grow with their position: the last row's start and the first
   // row's end bound what every row sees.
@@ -39,11 +39,12 @@ inline void visibility(ItemState<CT>& w, int64_t b0, int64_t nb, GroupBlocks<CT>
 // blocks' next kv head (the bytes that follow), after the last one the next group's first,
 // after the last group the first group of the thread's next item (next_item < end).
 template <typename CT>
-inline void group_blocks(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, int64_t next_item, int64_t end, GroupBlocks<CT>& g) {
+inline void group_blocks(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, int64_t next_item,
+                         int64_t end, GroupBlocks<CT>& g) {
   const AttentionParams& P = w.P;
   const Layout<CT>& layout = w.layout;
   const Plan& plan = w.plan;
-  ItemInfo& it = w.it;
+  const ItemInfo& it = w.it;
   if (layout.staged()) return stage_group(w, hl, b0, nb, next_item, end, g);
   const int64_t kvh = it.kvh + hl;
   w.blocks(it.s, kvh, b0, nb, g.k, g.v);
@@ -70,12 +71,13 @@ inline void group_blocks(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, i
 // chooses them) listed for the prefetch cursors of q.k and p.v, next staged block j in slot
 // j % nb. The copies' own prefetches (next) point at the staged blocks: cache hits.
 template <typename CT>
-inline void stage_group(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, int64_t next_item, int64_t end, GroupBlocks<CT>& g) {
+inline void stage_group(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, int64_t next_item,
+                        int64_t end, GroupBlocks<CT>& g) {
   const AttentionParams& P = w.P;
   const Layout<CT>& layout = w.layout;
   const Plan& plan = w.plan;
   Scratch& scratch = w.scratch;
-  ItemInfo& it = w.it;
+  const ItemInfo& it = w.it;
   int64_t& real_last = w.real_last;
   auto& tiny_v = w.tiny_v;
   auto& tiny_off = w.tiny_off;
@@ -98,7 +100,7 @@ inline void stage_group(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, in
     stage_block(reinterpret_cast<const char* const*>(rk), n, t0, t1, cbs, size,
                 layout.num_chunks, layout.x * esize, kdst);
     g.k[k] = g.k_next[k] = reinterpret_cast<const CT*>(kdst);
-    if ((layout.pv == PvPath::Tiny)) {
+    if (layout.pv == PvPath::Tiny) {
       if (k == 0) tiny_n = 0;
       CT* const masked = reinterpret_cast<CT*>(scratch.vraw.data());
       for (int64_t j = 0; j < n; ++j) {

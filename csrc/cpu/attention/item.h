@@ -142,7 +142,7 @@ struct ItemState {
     grow(scratch.qf, layout.D);
     grow(scratch.vtmp, kGroup * layout.D * layout.bs);
     grow(scratch.vraw, kGroup * layout.D * layout.bs * static_cast<int64_t>(sizeof(CT)));
-    if ((layout.pv == PvPath::Dot)) grow(scratch.pdot, R_max * pdot_row());
+    if (layout.pv == PvPath::Dot) grow(scratch.pdot, R_max * pdot_row());
     grow(scratch.state, HR_max);
     scratch.row_P.resize(R_max);
     scratch.row_lo.resize(R_max);
@@ -150,12 +150,12 @@ struct ItemState {
     if (layout.staged()) {
       const int64_t bytes = kGroup * layout.D * layout.bs * static_cast<int64_t>(sizeof(CT));
       grow(scratch.kstage, bytes);
-      if (!(layout.pv == PvPath::Tiny)) grow(scratch.vstage, bytes);
+      if (layout.pv != PvPath::Tiny) grow(scratch.vstage, bytes);
       // Lines of kGroup * per cache blocks, keys and values, each run one line more where
       // it does not start a line.
       const int64_t run = layout.D * layout.cache_bs * static_cast<int64_t>(sizeof(CT));
       grow(scratch.next_lines, kGroup * layout.stage.per * 2 * (run / 64 + 2));
-      if ((layout.pv == PvPath::Tiny))
+      if (layout.pv == PvPath::Tiny)
         grow(scratch.tiny_pat, kGroup * layout.stage.per * 4 * layout.tiny_period * W);
     }
   }
@@ -188,12 +188,17 @@ struct ItemState {
   // Steps of p.v per block over all rows of a kv head (k_rest's): pv_half_tile's steps, or
   // pv_group's vector iterations.
   int64_t pv_calls() const {
-    if ((layout.pv == PvPath::Tiny)) return (R / 4 + R % 4) * pv_tiny_steps(layout.D, layout.cache_bs);
-    if ((layout.pv == PvPath::HalfTile)) return (R / 4 + R % 4) * pv_half_steps(layout.D, layout.rows_per_vector);
-    if ((layout.pv == PvPath::Dot)) return (R / 4 + R % 4) * pv_dot_steps(layout.dot_accs);
-    if ((layout.pv == PvPath::GroupAny)) return (R / 4 + R % 4) * pv_any_steps(layout.D) * layout.NV;
-    const int nv_template = static_cast<int>(std::min<int64_t>(layout.NV, 4));  // pv's NVc
-    return (R / 4 + R % 4) * pv_steps(nv_template, layout.D) * layout.NV;
+    const int64_t tiles = R / 4 + R % 4;
+    switch (layout.pv) {
+      case PvPath::Tiny: return tiles * pv_tiny_steps(layout.D, layout.cache_bs);
+      case PvPath::HalfTile: return tiles * pv_half_steps(layout.D, layout.rows_per_vector);
+      case PvPath::Dot: return tiles * pv_dot_steps(layout.dot_accs);
+      case PvPath::GroupAny: return tiles * pv_any_steps(layout.D) * layout.NV;
+      default: {  // pv_group's, with its template NVc
+        const int nv = static_cast<int>(std::min<int64_t>(layout.NV, 4));
+        return tiles * pv_steps(nv, layout.D) * layout.NV;
+      }
+    }
   }
 
   // A row of pdot: the probability operand of pv_dot_tile for the blocks of a group.

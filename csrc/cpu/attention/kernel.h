@@ -73,7 +73,7 @@ inline void start(ItemState<CT>& w, const ItemInfo& info) {
     const char* q = query_row(hr);
     scratch.state[hr] = SoftmaxState{};
     if (layout.amx()) continue;  // the query operands are packed below
-    if ((layout.qk == QkPath::DotBF16)) {  // bf16 queries: each chunk's x values as they are, repeated to 2 W
+    if (layout.qk == QkPath::DotBF16) {  // bf16 queries: each chunk's x values, repeated to 2 W
       char* rp = reinterpret_cast<char*>(scratch.qrep.data() + hr * num_chunks * q_repeat);
       for (int64_t c = 0; c < num_chunks; ++c)
         for (int64_t i = 0; i < 2 * W; i += layout.x, rp += layout.x * qsize)
@@ -100,7 +100,8 @@ inline void start(ItemState<CT>& w, const ItemInfo& info) {
   // (init); pv_row_any adds, and an item without blocks (empty split, seq_len 0) still
   // turns its sums into rows.
   const bool no_pv = !PAGED_OPS_PHASE_PV || it.b_first > it.b_last;  // sums start at 0
-  const bool pv_inits = layout.group_pv() || (layout.pv == PvPath::HalfTile) || (layout.pv == PvPath::Dot);
+  const bool pv_inits =
+      layout.group_pv() || layout.pv == PvPath::HalfTile || layout.pv == PvPath::Dot;
   if (!pv_inits || (no_pv && !layout.group_pv()))
     std::fill(scratch.acc.begin(), scratch.acc.begin() + it.nh * R * layout.acc_row, 0.f);
   else if (no_pv)
@@ -114,7 +115,7 @@ template <typename CT>
 inline void softmax(ItemState<CT>& w, int64_t hl, int64_t nb, const GroupBlocks<CT>& g) {
   const Layout<CT>& layout = w.layout;
   Scratch& scratch = w.scratch;
-  int64_t& R = w.R;
+  const int64_t R = w.R;
   // Rows of up to a line each, else lines.
   const int64_t vrow_bytes = layout.bs * static_cast<int64_t>(sizeof(CT));
   const int64_t vpf_stride = std::min<int64_t>(vrow_bytes, 64);
@@ -146,8 +147,8 @@ inline void finish(ItemState<CT>& w, float* part_ml, float* part_o) {
   const Layout<CT>& layout = w.layout;
   const Plan& plan = w.plan;
   Scratch& scratch = w.scratch;
-  ItemInfo& it = w.it;
-  int64_t& R = w.R;
+  const ItemInfo& it = w.it;
+  const int64_t R = w.R;
   const int64_t G = layout.G, D = layout.D;
   const bool multi = P.query_start_loc != nullptr;
   const int64_t osize = dtype_size(P.dtype);
@@ -166,7 +167,7 @@ inline void finish(ItemState<CT>& w, float* part_ml, float* part_o) {
         const float* acc = scratch.acc.data() + (hl * R + r) * layout.acc_row;
         float* const o = o_h + r * D;
         const int64_t lanes = layout.acc_lanes;
-        if ((layout.pv == PvPath::Tiny)) {  // any number of lanes per row d
+        if (layout.pv == PvPath::Tiny) {  // any number of lanes per row d
           for (int64_t d = 0; d < D; ++d) {
             float sum = 0.f;
             for (int64_t t = 0; t < lanes; ++t) sum += acc[d * lanes + t];

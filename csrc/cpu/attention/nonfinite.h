@@ -52,10 +52,11 @@ inline bool scan_keys(ItemState<CT>& w, const GroupBlocks<CT>& g, int64_t k) {
 // the output of each row that sees it, for finish: p * v is NaN, or the infinity times a
 // probability that is 0 (NaN) or not (the infinity).
 template <typename CT>
-inline void add_nonfinite(ItemState<CT>& w, int64_t hl, const GroupBlocks<CT>& g, int64_t k, int64_t d, int64_t t, float v) {
+inline void add_nonfinite(ItemState<CT>& w, int64_t hl, const GroupBlocks<CT>& g, int64_t k,
+                          int64_t d, int64_t t, float v) {
   const Layout<CT>& layout = w.layout;
   Scratch& scratch = w.scratch;
-  int64_t& R = w.R;
+  const int64_t R = w.R;
   const int64_t pos = w.first_token(g.b0 + k) + t;
   for (int64_t r = 0; r < R; ++r) {
     if (pos < scratch.row_lo[r] || pos > scratch.row_P[r]) continue;
@@ -73,7 +74,7 @@ inline void scan_values(ItemState<CT>& w, int64_t hl, int64_t nb, const GroupBlo
   auto& tiny_off = w.tiny_off;
   int64_t& tiny_n = w.tiny_n;
   const int64_t bs = layout.bs, D = layout.D;
-  if ((layout.pv == PvPath::Tiny)) {  // the cache's blocks pv_tiny reads (hidden columns zeroed)
+  if (layout.pv == PvPath::Tiny) {  // the cache's blocks pv_tiny reads (hidden columns zeroed)
     const int64_t cbs = layout.cache_bs;
     for (int64_t i = 0; i < tiny_n; ++i) {
       const uint8_t* vb = reinterpret_cast<const uint8_t*>(tiny_v[i]);

@@ -156,7 +156,8 @@ inline void pv_path_half(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
 
 // PvPath::RowAny: pv_row_any (pv.h) on fp32 copies of the blocks, any block size.
 template <typename CT>
-inline void pv_path_row_any(ItemState<CT>& w, int64_t hl, int64_t nb, const GroupBlocks<CT>& g) {
+inline void pv_path_row_any(ItemState<CT>& w, int64_t hl, int64_t nb,
+                            const GroupBlocks<CT>& g) {
   const Layout<CT>& layout = w.layout;
   const int64_t R = w.R, group_row = layout.group_row, acc_row = layout.acc_row;
   float* const acc_h = acc_rows(w, hl);

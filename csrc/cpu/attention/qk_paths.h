@@ -26,7 +26,7 @@ template <typename CT>
 inline void fill_qrep(ItemState<CT>& w, const float* qf, float* rp) {
   const Layout<CT>& layout = w.layout;
   const int64_t x = layout.x, q_repeat = layout.q_repeat;
-  if ((layout.qk == QkPath::Fp8Tables)) {  // decode_fp8_by_tables' order, chunk by chunk
+  if (layout.qk == QkPath::Fp8Tables) {  // decode_fp8_by_tables' order, chunk by chunk
     for (int64_t c = 0; c < layout.num_chunks; ++c, rp += q_repeat, qf += x)
       for (int h = 0; h < 4; ++h)
         for (int64_t L = 0; L < 4; ++L)
@@ -49,8 +49,8 @@ inline void finish_logits(ItemState<CT>& w, int64_t hl, int64_t k, int64_t b, bo
   const AttentionParams& P = w.P;
   const Layout<CT>& layout = w.layout;
   Scratch& scratch = w.scratch;
-  ItemInfo& it = w.it;
-  int64_t& R = w.R;
+  const ItemInfo& it = w.it;
+  const int64_t R = w.R;
   const int64_t bs = layout.bs, block_row = layout.block_row;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t h0 = (it.kvh + hl) * layout.G;
@@ -159,17 +159,18 @@ inline void qk_block(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<
 // Logits of every row of kv head hl for each block of the group: p[r][k * block_row + t]; hidden
 // offsets and the padding up to block_row are -inf by position, never computed from cache data.
 template <typename CT>
-inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, const GroupBlocks<CT>& g) {
+inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb,
+                   const GroupBlocks<CT>& g) {
   const Layout<CT>& layout = w.layout;
   Scratch& scratch = w.scratch;
-  int64_t& R = w.R;
+  const int64_t R = w.R;
   auto& k_rest = w.k_rest;
   constexpr bool kSplitKeyPrefetch = ItemState<CT>::kSplitKeyPrefetch;
   constexpr bool kScanNan = ItemState<CT>::kScanNan;
   const int64_t raw_row = layout.raw_row, block_row = layout.block_row, bs = layout.bs;
   // What the q.k sums are multiplied by (in the vectors that sum them): q is scaled already,
   // except in bf16 pairs.
-  const float z_scale = (layout.qk == QkPath::DotBF16) ? layout.qk_scale : 1.f;
+  const float z_scale = layout.qk == QkPath::DotBF16 ? layout.qk_scale : 1.f;
   // The next block's key lines go out over the q.k loop's iterations: every tile of rows
   // (R / 4 + R % 4 tiles), or the AMX loop's.
   const int64_t pf_steps = layout.amx() ? amx_qk_iterations(R, layout.D, bs)
@@ -188,7 +189,7 @@ inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, const G
   const int64_t sum_blocks = layout.sum_blocks;
   bool k_nan[kGroup] = {};
   for (int64_t k = 0; k < nb; ++k) {
-    if constexpr (kScanNan) k_nan[k] = !(layout.qk == QkPath::Fp8Tables) && scan_keys(w, g, k);
+    if constexpr (kScanNan) k_nan[k] = layout.qk != QkPath::Fp8Tables && scan_keys(w, g, k);
     PrefetchCursor pf;
     if (layout.staged()) {  // the listed lines, split as above (keys first)
       const char* const* lines = scratch.next_lines.data() + g.line_begin[k];
