@@ -71,10 +71,7 @@ def _wanted_variants(cpu_build) -> list[str]:
         return []
     names = list(cpu_build.VARIANTS)
     if mode == "native":
-        get = getattr(torch._C._cpu, "_get_cpu_capability", None)
-        flags = get() if get is not None else {}
-        cap = torch.backends.cpu.get_cpu_capability()
-        names = [n for n in names if cpu_build.runnable(n, cap, flags)]
+        names = [n for n in names if cpu_build.runnable_here(n)]
     return names
 
 
@@ -147,7 +144,7 @@ def extensions():
     # on a CPU without it. paged_ops/__init__.py picks one at import (docs/cpu_kernel_selection.md).
     for name in _wanted_variants(cpu_build):
         if not cpu_build.compiler_accepts(name):
-            flags = " ".join(f for f in cpu_build.VARIANTS[name][0] if not f.startswith("-D"))
+            flags = " ".join(cpu_build.isa_flags(name))
             print(f"paged_ops: the compiler does not take {flags}; "
                   f"the {name} CPU kernel build is left out")
             continue

@@ -116,7 +116,7 @@ def compile_variant(tree, so, defines=(), variant="avx2", jobs=None):
     if os.path.exists(os.path.join(tree, "cpu", "builds")):
         _cpu_build.compile_library(tree, so, [*cflags, *defines], ldflags, jobs)
         return
-    isa = [f for f in _cpu_build.VARIANTS[variant][0] if not f.startswith("-D")]
+    isa = _cpu_build.isa_flags(variant)
     cap = _cpu_build.VARIANTS[variant][1]
     old = [f for f in cflags if not f.startswith("-D") or f.startswith("-D_GLIBCXX")]
     old = [f for f in old if f not in _cpu_build.VARIANTS[variant][0]]

@@ -109,12 +109,7 @@ def supported_cpu_kernel_variants() -> list[str]:
     """CPU kernel variants this CPU can run (per ATen's capability detection, which honours
     ``ATEN_CPU_CAPABILITY``) and that were built, the fastest measured first (the one selected
     at import); ``"default"`` is always last."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    # ATen's cpuinfo flags; an older torch without them reports none.
-    get = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    flags = get() if get is not None else {}
-    built = [n for n in _PREFERENCE
-             if _cpu_build.runnable(n, cap, flags) and _variant_library(n)]
+    built = [n for n in _PREFERENCE if _cpu_build.runnable_here(n) and _variant_library(n)]
     return built + ["default"]
 
 

@@ -64,6 +64,20 @@ def runnable(name: str, aten_capability: str, cpu_flags: dict) -> bool:
     return all(cpu_flags.get(f, False) for f in needs) if cpu_flags else not needs
 
 
+def runnable_here(name: str) -> bool:
+    """runnable() for this CPU, as the installed torch detects it (imported here: setup.py
+    loads this file before the package exists, but with torch installed)."""
+    import torch
+
+    get = getattr(torch._C._cpu, "_get_cpu_capability", None)  # absent from an older torch
+    return runnable(name, torch.backends.cpu.get_cpu_capability(), get() if get else {})
+
+
+def isa_flags(name: str) -> list[str]:
+    """The build's instruction-set flags, without its -D switches."""
+    return [f for f in VARIANTS[name][0] if not f.startswith("-D")]
+
+
 def variant_defines(name: str) -> list[tuple[str, str | None]]:
     """The macros of the build: ATen's CPU_CAPABILITY and its CPU_CAPABILITY_<X> flag, and the
     name its kernel table reports."""
@@ -103,9 +117,8 @@ def compiler_accepts(name: str, cxx: str | None = None) -> bool:
     """Whether the C++ compiler takes the build's ISA flags (older compilers lack -mamx-tile):
     setup.py leaves a build out rather than failing the install."""
     cxx = cxx or os.environ.get("CXX", "c++")
-    isa = [f for f in VARIANTS[name][0] if not f.startswith("-D")]
     try:
-        res = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", *isa, "-"],
+        res = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", *isa_flags(name), "-"],
                              input="", capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return False
