@@ -31,9 +31,10 @@ $(VENV)/.deps: pyproject.toml
 
 venv: $(VENV)/.deps
 
-# Rebuild the extension only when its sources or build files change (the package itself is
-# installed editable, so Python edits need nothing); `make clean` forces a rebuild.
-BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc -type f)
+# Rebuild the extension only when its sources or build files change (setup.py, the CPU builds'
+# flags in paged_ops/_cpu_build.py; the package itself is installed editable, so other Python
+# edits need nothing); `make clean` forces a rebuild.
+BUILD_INPUTS := setup.py pyproject.toml paged_ops/_cpu_build.py $(shell find csrc -type f)
 # The build's output goes to build/install.log; the terminal gets a line per compiled unit.
 $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	@mkdir -p build
