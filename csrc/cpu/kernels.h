@@ -13,6 +13,25 @@ namespace paged::cpu {
 
 using paged::DType;
 
+// Kernel knobs of a tuned plan (paged_ops/_plans.py), run-time values: 0 in a field leaves the
+// choice to the rules (attention/layout.h). A forced path is taken only where it is valid for
+// the call, else the rules choose; AMX runs only where neither path is forced to another one.
+struct KernelPlan {
+  int32_t qk_path;   // 0, or 1 + QkPath (attention/layout.h)
+  int32_t pv_path;   // 0, or 1 + PvPath
+  int32_t group;     // 0, or blocks per softmax step (at most kGroup)
+  int32_t prefetch;  // 0, or 1: no prefetches of the next step's blocks, 2: the next step's
+};
+
+// What the rules and a plan make of a call (KernelTable::describe, for paged_ops.cpu_plan and
+// the tuner): the paths taken, and which paths a plan may force (bit i: path i is honoured).
+struct PlanInfo {
+  int32_t qk_path, pv_path;    // QkPath, PvPath taken
+  int32_t group;               // blocks per softmax step
+  int32_t staged_block_size;   // the block size read when cache blocks are staged; else 0
+  uint32_t qk_valid, pv_valid;
+};
+
 struct AttentionParams {
   void* out;  // [num_tokens, num_heads, head_size], last dim contiguous
   int64_t out_stride_seq, out_stride_head;
@@ -38,15 +57,19 @@ struct AttentionParams {
   int64_t num_threads;     // at::get_num_threads() of the caller, for the split heuristic
   DType dtype;             // query / output
   DType cache_dtype;
+  // A tuned plan's knobs (ops_cpu.cpp looks the call's plan up; zeros: the rules decide).
+  KernelPlan plan;
 };
 
 struct KernelTable {
   int32_t abi_version;  // kKernelAbiVersion; guards against a stale variant library
   const char* name;     // "default", "avx2", "avx512", "avx512_bf16"
   void (*attention)(const AttentionParams&);
+  // Tuned plans: the paths and group a call of these parameters takes (no data is read).
+  void (*describe)(const AttentionParams&, PlanInfo*);
 };
 
-constexpr int32_t kKernelAbiVersion = 2;
+constexpr int32_t kKernelAbiVersion = 3;
 
 }  // namespace paged::cpu
 

@@ -8,6 +8,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "attention_args.h"
 #include "attention_op.h"
@@ -44,6 +47,46 @@ const KernelTable* kernels(int64_t block_size, DType cache_dtype) {
   return kernels();
 }
 
+// --- Tuned plans (paged_ops/_plans.py installs them through paged_ops_set_cpu_plans) ---
+// A plan for the calls of one key: the build that runs them (null: the cell's) and the kernel's
+// knobs. The C layout is shared with paged_ops/_plans.py (ctypes).
+struct PlanEntry {
+  int32_t cache_dtype, block_size, head_size, group, dtype;  // the key (DType codes; group:
+                                                             // query heads per kv head)
+  int32_t reserved;
+  const KernelTable* table;
+  KernelPlan knobs;
+};
+// Per (cache dtype, block size) the plans of that cell (a few head sizes, groups and query
+// dtypes), immutable once published: a call finds its plan by one load and a short scan.
+// Replaced lists stay allocated (a call may still read one); installs are rare.
+struct CellPlans {
+  std::vector<PlanEntry> entries;
+};
+std::atomic<const CellPlans*> g_plans[kCacheDTypes][kMaxCellBlockSize + 1] = {};
+std::mutex g_plans_mutex;
+std::vector<std::unique_ptr<CellPlans>> g_plans_store;  // every list ever published
+
+const PlanEntry* find_plan(const AttentionParams& p) {
+  const int d = static_cast<int>(p.cache_dtype);
+  if (p.block_size < 1 || p.block_size > kMaxCellBlockSize || d < 0 || d >= kCacheDTypes)
+    return nullptr;
+  const CellPlans* cell = g_plans[d][p.block_size].load(std::memory_order_acquire);
+  if (cell == nullptr) return nullptr;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  for (const PlanEntry& e : cell->entries)
+    if (e.head_size == p.head_size && e.group == group && e.dtype == static_cast<int>(p.dtype))
+      return &e;
+  return nullptr;
+}
+
+// PAGED_OPS_AUTOTUNE=1 (paged_ops/_plans.py, through ctypes): called for a call whose key has no
+// plan, with the key (DType codes; block size 1-256); it installs one (tuned, or the rules'
+// own: zero knobs), so each key reaches it once.
+using AutotuneHook = void (*)(int32_t dtype, int32_t cache_dtype, int64_t block_size,
+                              int64_t head_size, int64_t num_heads, int64_t num_kv_heads);
+std::atomic<AutotuneHook> g_autotune{nullptr};
+
 // The CPU part of attention / attention_out (attention_op.h): the index checks, then the kernel.
 void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims& d) {
   check_attention_indices_cpu(d, a);
@@ -59,7 +102,20 @@ void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims&
   p.k_scale = fp8 ? host_scale(*a.k_scale) : 1.f;
   p.v_scale = fp8 ? host_scale(*a.v_scale) : 1.f;
   p.num_threads = at::get_num_threads();
-  kernels(d.cache.block_size, p.cache_dtype)->attention(p);
+  const KernelTable* table = kernels(d.cache.block_size, p.cache_dtype);
+  const PlanEntry* e = find_plan(p);
+  if (e == nullptr && p.block_size <= kMaxCellBlockSize) {
+    if (AutotuneHook hook = g_autotune.load(std::memory_order_acquire)) {
+      hook(static_cast<int32_t>(p.dtype), static_cast<int32_t>(p.cache_dtype), p.block_size,
+           p.head_size, p.num_heads, p.num_kv_heads);
+      e = find_plan(p);
+    }
+  }
+  if (e != nullptr) {
+    p.plan = e->knobs;
+    if (e->table != nullptr) table = e->table;
+  }
+  table->attention(p);
 }
 
 using Op = AttentionOp<Backend::CPU, &run_attention>;
@@ -103,6 +159,93 @@ extern "C" __attribute__((visibility("default"))) const char* paged_ops_cpu_kern
       cache_dtype > static_cast<int32_t>(paged::DType::F8E5M2))
     return paged::cpu::kernels()->name;
   return paged::cpu::kernels(block_size, static_cast<paged::DType>(cache_dtype))->name;
+}
+
+// Replaces the tuned plans by `n` entries (paged::cpu::PlanEntry; n = 0 drops them all); a
+// later entry of the same key wins. Returns 0, -1 for a table from an incompatible build
+// (nothing changed), -2 for a key out of range (nothing changed).
+extern "C" __attribute__((visibility("default"))) int paged_ops_set_cpu_plans(
+    const paged::cpu::PlanEntry* entries, int64_t n) {
+  using namespace paged::cpu;
+  for (int64_t i = 0; i < n; ++i) {
+    const PlanEntry& e = entries[i];
+    if (e.table != nullptr && e.table->abi_version != kKernelAbiVersion) return -1;
+    if (e.block_size < 1 || e.block_size > kMaxCellBlockSize || e.cache_dtype < 0 ||
+        e.cache_dtype >= kCacheDTypes || e.head_size < 1 || e.group < 1 || e.dtype < 0 ||
+        e.dtype >= kCacheDTypes)
+      return -2;
+  }
+  std::lock_guard<std::mutex> lock(g_plans_mutex);
+  std::vector<std::unique_ptr<CellPlans>> cells(kCacheDTypes * (kMaxCellBlockSize + 1));
+  for (int64_t i = 0; i < n; ++i) {
+    const PlanEntry& e = entries[i];
+    auto& cell = cells[e.cache_dtype * (kMaxCellBlockSize + 1) + e.block_size];
+    if (!cell) cell = std::make_unique<CellPlans>();
+    auto same = [&](const PlanEntry& o) {
+      return o.head_size == e.head_size && o.group == e.group && o.dtype == e.dtype;
+    };
+    std::erase_if(cell->entries, same);
+    cell->entries.push_back(e);
+  }
+  for (int d = 0; d < kCacheDTypes; ++d)
+    for (int64_t b = 0; b <= kMaxCellBlockSize; ++b) {
+      auto& cell = cells[d * (kMaxCellBlockSize + 1) + b];
+      g_plans[d][b].store(cell.get(), std::memory_order_release);
+      if (cell) g_plans_store.push_back(std::move(cell));
+    }
+  return 0;
+}
+
+// Sets the PAGED_OPS_AUTOTUNE hook (null: none).
+extern "C" __attribute__((visibility("default"))) void paged_ops_set_cpu_autotune_hook(
+    paged::cpu::AutotuneHook hook) {
+  paged::cpu::g_autotune.store(hook, std::memory_order_release);
+}
+
+// What a call of these sizes takes on `table` (null: the built-in default kernel) with the
+// knobs `knobs` (null: the rules): paths, group and the paths a plan may force (PlanInfo).
+// Decode (multi_token = 0) or several query tokens per sequence. Returns 0, -1 for a table
+// from an incompatible build, -2 for sizes out of range.
+extern "C" __attribute__((visibility("default"))) int paged_ops_describe_cpu_plan(
+    const paged::cpu::KernelTable* table, int32_t dtype, int32_t cache_dtype, int64_t block_size,
+    int64_t head_size, int64_t num_heads, int64_t num_kv_heads, int32_t multi_token,
+    const paged::cpu::KernelPlan* knobs, paged::cpu::PlanInfo* info) {
+  using namespace paged::cpu;
+  if (table == nullptr) table = default_kernel_table();
+  if (table->abi_version != kKernelAbiVersion) return -1;
+  if (dtype < 0 || dtype > static_cast<int32_t>(paged::DType::BF16) || cache_dtype < 0 ||
+      cache_dtype >= kCacheDTypes || block_size < 1 || num_kv_heads < 1 ||
+      num_heads % num_kv_heads != 0 || num_heads < 1 || head_size < 1)
+    return -2;
+  const int64_t x = 16 / paged::dtype_size(static_cast<paged::DType>(cache_dtype));
+  if (head_size % x != 0) return -2;
+  static const int32_t qsl[2] = {0, 1};
+  AttentionParams p{};
+  p.num_seqs = p.num_tokens = 1;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_size = head_size;
+  p.block_size = block_size;
+  p.x = x;
+  p.scale = p.k_scale = p.v_scale = 1.f;
+  p.num_threads = 1;
+  p.dtype = static_cast<paged::DType>(dtype);
+  p.cache_dtype = static_cast<paged::DType>(cache_dtype);
+  p.query_start_loc = multi_token ? qsl : nullptr;
+  if (knobs != nullptr) p.plan = *knobs;
+  table->describe(p, info);
+  return 0;
+}
+
+// The built-in default kernel's table, for plans that name it.
+extern "C" __attribute__((visibility("default"))) const paged::cpu::KernelTable*
+paged_ops_cpu_default_kernel_table() {
+  return paged::cpu::default_kernel_table();
+}
+
+// kKernelAbiVersion of this build (plan files record it: plans of another kernel are stale).
+extern "C" __attribute__((visibility("default"))) int32_t paged_ops_cpu_kernel_abi() {
+  return paged::cpu::kKernelAbiVersion;
 }
 
 // The head sizes (which = 0) or block sizes (which = 1) of cuda_sizes.h, for the tests (through

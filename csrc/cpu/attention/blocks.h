@@ -49,7 +49,9 @@ inline void group_blocks(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, i
   const int64_t kvh = it.kvh + hl;
   w.blocks(it.s, kvh, b0, nb, g.k, g.v);
   int64_t nb_next = 0;
-  if (hl + 1 < it.nh) {
+  if (!layout.prefetch) {
+    // A plan without prefetches: the "next" blocks are this group's (below).
+  } else if (hl + 1 < it.nh) {
     nb_next = nb;
     w.blocks(it.s, kvh + 1, b0, nb, g.k_next, g.v_next);
   } else if (b0 + nb <= it.b_last) {
@@ -127,7 +129,9 @@ inline void stage_group(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb, in
   // The next step: (sequence, kv head, first cache block, cache blocks) of its staged blocks.
   int64_t s = it.s, kvh = it.kvh + hl + 1, first = w.real_first(b0), last = real_last;
   int64_t count = 0;  // staged blocks
-  if (hl + 1 < it.nh) {
+  if (!layout.prefetch) {
+    // A plan without prefetches: no lines listed.
+  } else if (hl + 1 < it.nh) {
     count = nb;
     last = std::min(last, first + nb * per - 1);
   } else if (b0 + nb <= it.b_last) {

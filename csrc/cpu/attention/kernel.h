@@ -280,5 +280,28 @@ void attention_cache(const AttentionParams& P) {
   if (plan.splits > 1) merge_splits(P, plan, layout.v_scale, part_ml, part_o);
 }
 
+// The paths and group a call takes, and which paths a plan may force (KernelTable::describe).
+template <typename CT>
+void describe_cache(const AttentionParams& P, PlanInfo* info) {
+  const int64_t G = P.num_heads / P.num_kv_heads;
+  const int64_t rows_max = (P.query_start_loc ? std::max<int64_t>(1, 64 / G) : 1) * G;
+  auto with = [&](int32_t qk, int32_t pv) {
+    AttentionParams Q = P;
+    Q.plan.qk_path = qk;
+    Q.plan.pv_path = pv;
+    return Layout<CT>(Q, rows_max);
+  };
+  const Layout<CT> layout(P, rows_max);
+  info->qk_path = static_cast<int32_t>(layout.qk);
+  info->pv_path = static_cast<int32_t>(layout.pv);
+  info->group = static_cast<int32_t>(layout.group);
+  info->staged_block_size = layout.staged() ? static_cast<int32_t>(layout.bs) : 0;
+  info->qk_valid = info->pv_valid = 0;
+  for (int i = 0; i <= static_cast<int>(QkPath::Amx); ++i)
+    if (static_cast<int>(with(i + 1, 0).qk) == i) info->qk_valid |= 1u << i;
+  for (int i = 0; i <= static_cast<int>(PvPath::Amx); ++i)
+    if (static_cast<int>(with(0, i + 1).pv) == i) info->pv_valid |= 1u << i;
+}
+
 }  // namespace CPU_CAPABILITY
 }  // namespace paged::cpu

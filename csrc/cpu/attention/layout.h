@@ -90,6 +90,8 @@ struct Layout {
   // holding token tiny_idx[q * W + i] (tiny_patterns).
   int64_t tiny_period = 1;
   int32_t tiny_idx[W * W] = {};
+  // A tuned plan (KernelPlan): the next step's blocks are prefetched (else not).
+  bool prefetch = true;
 
   bool staged() const { return stage.per > 0; }
   bool amx() const { return qk == QkPath::Amx; }
@@ -119,7 +121,8 @@ struct Layout {
     // non-finite values in staged copies; not on AMX tiles).
     c.tiny = staged() && cache_bs < W && D * cache_bs % W == 0 && P.query_start_loc == nullptr &&
              !c.amx;
-    choose_paths(c);
+    choose_paths(c, P.plan.pv_path - 1);
+    if (P.plan.prefetch == 1) prefetch = false;
   }
 
   // The paths open to the block size read: several may be; choose_paths takes one of each.
@@ -127,8 +130,23 @@ struct Layout {
     bool dot_bf16, fp8_tables, amx, group, any, half, dot, tiny;
   };
 
-  // The chosen paths and what follows from them.
-  void choose_paths(const Candidates& c) {
+  // Whether p.v path `pv` (a PvPath, or -1) is open to the candidates: a plan may force it.
+  static bool pv_open(const Candidates& c, int pv) {
+    switch (pv) {
+      case static_cast<int>(PvPath::Group): return c.group && !c.any && !c.amx;
+      case static_cast<int>(PvPath::GroupAny): return c.any && !c.amx;
+      case static_cast<int>(PvPath::HalfTile): return c.half && !c.amx;
+      case static_cast<int>(PvPath::Dot): return c.dot;
+      case static_cast<int>(PvPath::Tiny): return c.tiny;
+      case static_cast<int>(PvPath::RowAny): return !c.amx;
+      case static_cast<int>(PvPath::Amx): return c.amx;
+      default: return false;
+    }
+  }
+
+  // The chosen paths and what follows from them; forced_pv: a plan's p.v path (-1: none),
+  // taken where open.
+  void choose_paths(const Candidates& c, int forced_pv = -1) {
     qk = c.amx ? QkPath::Amx
          : c.dot_bf16 ? QkPath::DotBF16
          : c.fp8_tables ? QkPath::Fp8Tables
@@ -140,6 +158,7 @@ struct Layout {
          : !c.group ? PvPath::RowAny
          : c.any ? PvPath::GroupAny
                  : PvPath::Group;
+    if (forced_pv >= 0 && pv_open(c, forced_pv)) pv = static_cast<PvPath>(forced_pv);
     lane_acc = pv == PvPath::Dot || pv == PvPath::Tiny || pv == PvPath::RowAny ||
                pv == PvPath::HalfTile || (group_pv() && keep_lane_sums(W));
     acc_lanes = pv == PvPath::Dot ? bs / 2 : pv == PvPath::HalfTile ? bs : W;
@@ -164,10 +183,20 @@ struct Layout {
     group = std::clamp<int64_t>(kGroupBytes / (bs * D * static_cast<int64_t>(sizeof(CT))), 1,
                                 kGroup);
     acc_row = D * W + 16;
+    if (P.plan.group > 0) group = std::min<int64_t>(P.plan.group, kGroup);
     const bool bf16 = std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16;
     c.dot_bf16 = kDotBF16 && bf16 && chunk_elems % (2 * W) == 0;
     split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
     c.fp8_tables = kFp8Tables && is_fp8_v<CT> && W == 16 && x == W && chunk_elems % (4 * W) == 0;
+    // A plan's forced q.k path, where open (Tile always is): the paths before it are closed.
+    const int fqk = P.plan.qk_path - 1, fpv = P.plan.pv_path - 1;
+    const bool qk_forced = fqk == static_cast<int>(QkPath::Tile) ||
+                           (fqk == static_cast<int>(QkPath::DotBF16) && c.dot_bf16) ||
+                           (fqk == static_cast<int>(QkPath::Fp8Tables) && c.fp8_tables);
+    if (qk_forced) {
+      c.dot_bf16 = c.dot_bf16 && fqk == static_cast<int>(QkPath::DotBF16);
+      c.fp8_tables = c.fp8_tables && fqk == static_cast<int>(QkPath::Fp8Tables);
+    }
     q_repeat = c.fp8_tables ? 4 * W : c.dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
     x_sum = c.fp8_tables ? 4 : c.dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
@@ -186,12 +215,20 @@ struct Layout {
                               : qk_tile_iterations(chunk_elems, num_chunks, q_repeat);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
     v_scale = P.v_scale * fp8_unit<CT>();
+    // AMX takes both paths: not where a plan forces another q.k or p.v path.
+    const bool no_amx = qk_forced || (fpv >= 0 && fpv != static_cast<int>(PvPath::Amx));
     c.amx = kAmx && bf16 && x == kAmxX && D % 16 == 0 && amx_block_size_ok(bs) &&
-            rows_max <= 16 && amx::usable();
+            rows_max <= 16 && !no_amx && amx::usable();
     sum_blocks = kSumBlockPairs && 2 * bs == W && x_sum <= 4 && !c.amx ? 2 : 1;
     raw_row = std::max(raw_row, round_up(sum_blocks * bs * x_sum, W));
     c.dot = kDotBF16 && bf16 && !c.amx && (bs == W / 2 || bs == W) && D * bs % (2 * W) == 0;
     dot_accs = D * bs / (2 * W);
+    // A plan forcing another open p.v path closes Dot (which closes Group and HalfTile).
+    if (fpv >= 0 && fpv != static_cast<int>(PvPath::Dot)) {
+      Candidates o = c;
+      o.dot = false;
+      if (pv_open(o, fpv)) c.dot = false;
+    }
     if (c.dot) c.group = c.half = false;
     return c;
   }

@@ -33,7 +33,13 @@ void attention_cache(const AttentionParams& P);
   X(float, F32) X(c10::Half, F16) X(c10::BFloat16, BF16) X(c10::Float8_e4m3fn, F8E4M3) \
   X(c10::Float8_e5m2, F8E5M2)
 
-#define PAGED_OPS_DECLARE(CT, _) extern template void attention_cache<CT>(const AttentionParams&);
+// What a call of these parameters takes (kernels.h, PlanInfo).
+template <typename CT>
+void describe_cache(const AttentionParams& P, PlanInfo* info);
+
+#define PAGED_OPS_DECLARE(CT, _)                                          \
+  extern template void attention_cache<CT>(const AttentionParams&);      \
+  extern template void describe_cache<CT>(const AttentionParams&, PlanInfo*);
 PAGED_OPS_CACHE_TYPES(PAGED_OPS_DECLARE)
 #undef PAGED_OPS_DECLARE
 

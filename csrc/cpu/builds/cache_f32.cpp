@@ -4,5 +4,6 @@
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 template void attention_cache<float>(const AttentionParams&);
+template void describe_cache<float>(const AttentionParams&, PlanInfo*);
 }  // namespace CPU_CAPABILITY
 }  // namespace paged::cpu

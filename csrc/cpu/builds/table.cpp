@@ -17,8 +17,19 @@ void attention(const AttentionParams& P) {
   }
 }
 
+void describe(const AttentionParams& P, PlanInfo* info) {
+  switch (P.cache_dtype) {
+#define PAGED_OPS_CASE(CT, DT) \
+  case DType::DT:              \
+    return describe_cache<CT>(P, info);
+    PAGED_OPS_CACHE_TYPES(PAGED_OPS_CASE)
+#undef PAGED_OPS_CASE
+  }
+}
+
 const KernelTable* kernel_table() {
-  static const KernelTable t{kKernelAbiVersion, PAGED_OPS_STR(PAGED_OPS_BUILD_NAME), &attention};
+  static const KernelTable t{kKernelAbiVersion, PAGED_OPS_STR(PAGED_OPS_BUILD_NAME), &attention,
+                             &describe};
   return &t;
 }
 
