@@ -18,6 +18,7 @@ from . import (
     _C,  # noqa: F401  (registers torch.ops.paged.*)
     _cpu_build,
     _fake,  # noqa: F401  (fake impls for torch.compile)
+    _plans,
 )
 from ._api import (
     allocate_kv_cache,
@@ -36,6 +37,8 @@ __all__ = [
     "built_with_cuda",
     "copy_blocks",
     "cpu_kernel_variant",
+    "cpu_plan",
+    "plan_cache_path",
     "set_cpu_kernel_variant",
     "supported_cpu_kernel_variants",
     "paged_attention",
@@ -50,9 +53,9 @@ _C_LIB.paged_ops_cpu_kernel_name.argtypes = [ctypes.c_int64, ctypes.c_int32]
 _C_LIB.paged_ops_set_cpu_kernel_table.argtypes = [ctypes.c_void_p]
 _C_LIB.paged_ops_set_cpu_cell_kernel_table.argtypes = [ctypes.c_void_p, ctypes.c_int64,
                                                        ctypes.c_int32]
+_plans.setup_library(_C_LIB)
 # The kernels' codes of the cache dtypes (DType, csrc/dtype.h).
-_CACHE_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
-                      torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+_CACHE_DTYPE_CODES = _plans.DTYPE_CODES
 _MAX_CELL_BLOCK_SIZE = 256  # the largest block size a build is chosen for (kMaxCellBlockSize)
 _variant_libs = {}  # name -> loaded variant library (kept alive, loaded once)
 
@@ -176,6 +179,7 @@ def set_cpu_kernel_variant(name: str, *, overrides: dict | None = None) -> None:
                     raise RuntimeError(f"{_variant_library(other)} is from an incompatible "
                                        "build; rebuild paged_ops")
     _selection = (name, cells)
+    _install_plans()
 
 
 def _set_selection(selection: tuple) -> None:
@@ -220,4 +224,118 @@ def _select_cpu_kernels() -> None:
     set_cpu_kernel_variant(variants[0], overrides=overrides)
 
 
+
+
+# --- Tuned plans (paged_ops/_plans.py; python -m paged_ops.tune writes them) ---
+# This machine's plans: those of the plan file, then those tuned in this process (each a dict
+# of _plans: key, build, knobs, us, source).
+_plan_list: list = []
+_auto_selection = None  # the import's selection, where no PAGED_OPS_CPU_CAPABILITY caps it
+_installed: dict = {}  # key -> the plan installed for it
+_autotune_keys: set = set()  # keys PAGED_OPS_AUTOTUNE has reached (tuned or being tuned)
+
+
+def _table_pointer(name: str):
+    """The kernel table of build ``name``, "default" included (for plans)."""
+    if name == "default":
+        return _C_LIB.paged_ops_cpu_default_kernel_table()
+    return _kernel_table(name)
+
+
+def _install_plans() -> None:
+    """Hands the kernel its plans: at the import's selection, per key the fastest plan of a
+    build this CPU runs (with that build); after set_cpu_kernel_variant or under
+    PAGED_OPS_CPU_CAPABILITY, the plan of the build the selection runs for the key, if tuned
+    (that build stays). Keys PAGED_OPS_AUTOTUNE reached without a plan get the rules' own."""
+    global _installed
+    installed = {}
+    if _auto_selection is not None and _selection == _auto_selection:
+        for key, p in _plans.best_per_key(_plan_list, supported_cpu_kernel_variants()).items():
+            installed[key] = (p, _table_pointer(p["build"]))
+    else:
+        for p in _plan_list:
+            key = p["key"]
+            if (key[2] <= _MAX_CELL_BLOCK_SIZE
+                    and p["build"] == cpu_kernel_variant(key[2], key[1])
+                    and (key not in installed or p["us"] < installed[key][0]["us"])):
+                installed[key] = (p, None)
+    entries = [(key, table, p["knobs"]) for key, (p, table) in installed.items()]
+    entries += [(key, None, None) for key in _autotune_keys if key not in installed]
+    _plans.install(_C_LIB, entries)
+    _installed = {key: p for key, (p, _) in installed.items()}
+
+
+def _add_plans(plans: list) -> None:
+    """Adds plans tuned in this process (they replace those of the same build and key) and
+    installs them."""
+    global _plan_list
+    ids = {(p["build"], p["key"]) for p in plans}
+    _plan_list = [p for p in _plan_list if (p["build"], p["key"]) not in ids] + [
+        dict(p, source="tuned") for p in plans]
+    _install_plans()
+
+
+def _load_plans() -> None:
+    """(Re)reads this machine's plans from the plan file and installs them."""
+    global _plan_list
+    _plan_list = [dict(p, source="plan file") for p in _plans.load(_C_LIB)]
+    _install_plans()
+
+
+def plan_cache_path() -> str:
+    """The plan file the tuner writes and import reads: ``PAGED_OPS_PLAN_CACHE`` when set, else
+    ``~/.cache/paged_ops/plans.json``."""
+    return _plans.cache_path()
+
+
+def cpu_plan(dtype: torch.dtype, cache_dtype: torch.dtype, block_size: int, head_size: int,
+             group: int) -> dict:
+    """The plan a CPU attention call would use: queries of ``dtype``, a cache of
+    ``cache_dtype``, ``block_size``, ``head_size`` and ``group`` query heads per kv head.
+
+    Returns a dict: ``source`` (``"plan file"``, ``"tuned"`` in this process, or ``"rules"``),
+    ``build``, the paths the call takes (``qk_path``, ``pv_path``), ``blocks_per_group``,
+    ``prefetch``, ``staged_block_size`` (None: blocks read in place), ``forced`` (the knobs
+    the plan sets; None for the rules) and ``us`` (the plan's time per call as tuned; None for
+    the rules). ``ValueError`` names a bad argument."""
+    key = _plans.check_key(dtype, cache_dtype, block_size, head_size, group)
+    p = _installed.get(key)
+    if p is None:
+        build, knobs = cpu_kernel_variant(block_size, cache_dtype), None
+    else:
+        build, knobs = p["build"], p["knobs"]
+    d = _plans.describe(_C_LIB, _table_pointer(build), key, knobs)
+    return {"source": "rules" if p is None else p["source"], "build": build,
+            "qk_path": d["qk_path"], "pv_path": d["pv_path"],
+            "blocks_per_group": d["blocks_per_group"],
+            "prefetch": not (knobs and knobs.get("prefetch") is False),
+            "staged_block_size": d["staged_block_size"],
+            "forced": None if p is None else {k: v for k, v in knobs.items() if v is not None},
+            "us": None if p is None else p["us"]}
+
+
+def _autotune(dtype_code, cache_code, block_size, head_size, num_heads, num_kv_heads) -> None:
+    """PAGED_OPS_AUTOTUNE=1: a call of a key without a plan tunes it (the kernel calls this
+    once per key, csrc/cpu/ops_cpu.cpp); a failure warns once and the rules stay."""
+    codes = {c: d for d, c in _CACHE_DTYPE_CODES.items()}
+    key = (codes[dtype_code], codes[cache_code], int(block_size), int(head_size),
+           int(num_heads // num_kv_heads))
+    if key in _autotune_keys:
+        return
+    _autotune_keys.add(key)
+    try:
+        _install_plans()  # the rules' plan for now: calls of this key no longer come here
+        from . import tune
+        tune.autotune_key(key, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads))
+    except Exception as e:  # noqa: BLE001  (never fail the user's call)
+        _plans.warn_once(f"PAGED_OPS_AUTOTUNE could not tune {key} ({type(e).__name__}: {e})")
+
+
+_autotune_hook = _plans.AUTOTUNE_HOOK(_autotune)  # alive while the kernel may call it
+
 _select_cpu_kernels()
+if not os.environ.get("PAGED_OPS_CPU_CAPABILITY", "").strip():
+    _auto_selection = _selection
+_load_plans()
+if os.environ.get("PAGED_OPS_AUTOTUNE", "").strip() == "1":
+    _C_LIB.paged_ops_set_cpu_autotune_hook(_autotune_hook)
