@@ -1,12 +1,18 @@
 """Fixtures shared by the test files."""
 
 import os
+import tempfile
 import time
 
 # Before torch loads OpenMP: threads that finish a parallel region sleep instead of spinning.
 # make test runs a test process per core (pytest-xdist), each with torch's threads, and
 # spinning threads would take the cores the other processes need (a tenth of the speed).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before paged_ops loads: no plan file of the user's (tuned plans, paged_ops/_plans.py) and no
+# autotuning reach the tests; each test process reads its own empty plan file location.
+os.environ["PAGED_OPS_PLAN_CACHE"] = os.path.join(
+    tempfile.mkdtemp(prefix="paged_ops_test_plans_"), "plans.json")
+os.environ.pop("PAGED_OPS_AUTOTUNE", None)
 
 import pytest
 

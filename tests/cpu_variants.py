@@ -152,6 +152,20 @@ def _set(name):
     assert paged_ops.cpu_kernel_variant() == name
 
 
+def table(name):
+    """The kernel table (a pointer) of build ``name`` (one of VARIANTS), for tuned plans that
+    name it or ask what it takes (paged_ops/_plans.py)."""
+    if name not in LANES16:
+        return paged_ops._table_pointer(name)
+    so, why = _lanes16_library(name)
+    if so is None:
+        pytest.skip(str(why))
+    lib = ctypes.CDLL(so, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    lib.paged_ops_cpu_kernel_table.restype = ctypes.c_void_p
+    _libs.append(lib)
+    return lib.paged_ops_cpu_kernel_table()
+
+
 @contextlib.contextmanager
 def use(name):
     """Runs the body with the CPU attention kernel `name` (one of VARIANTS), then restores the
