@@ -4,6 +4,9 @@ Each grid row is one (shape, KV dtype, block size, CPU kernel build): time per c
 GB/s (the K and V bytes of the visible tokens, read once, plus q and out) and that as a
 percentage of the read bandwidth measured in the same run (``torch.sum`` over as many bytes as
 the caches; on CUDA the GPU's peak). Ratios measured in one run survive a noisy, shared machine.
+On the CPU each row also gives its share of the roofline: min(read bandwidth, FMA rate x cache
+bytes per flop of the call), the FMA rate measured in the same run by an fp32 GEMM
+(paged_ops.tune.gemm_gflops), so that a CPU where the call is compute-bound shows as one.
 
 Every call reads a different layer's caches: the run cycles through copies of the caches that
 total ``--cache-gib`` (default 1 GiB), so no call finds its K/V in a last-level cache that
@@ -33,6 +36,7 @@ import time
 import torch
 
 import paged_ops
+from paged_ops.tune import gemm_gflops, roofline_gbs
 
 # fp8 caches are read with bf16 queries and per-tensor scales; "fp8" is fp8_e4m3.
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -292,10 +296,12 @@ def parse_variants(text, device):
 
 
 def bench_grid(device, dtypes, block_sizes, shapes, heads, head_size, variants, bw_ref,
-               cache_bytes, baseline, min_time, min_reps, label="", rotate=True):
+               cache_bytes, baseline, min_time, min_reps, label="", rotate=True,
+               gflops_ref=None):
     """Rows for every (dtype, block size, shape, variant); one set of layer copies per
     (dtype, block size), freed before the next. ``bw_ref()`` gives the reference read
-    bandwidth, re-measured by the caller's closure before each set."""
+    bandwidth and ``gflops_ref()`` (CPU) the FMA rate, re-measured by the caller's closures
+    before each set."""
     rows = []
     for dname in dtypes:
         for bs in block_sizes:
@@ -303,14 +309,15 @@ def bench_grid(device, dtypes, block_sizes, shapes, heads, head_size, variants, 
             caches = LayerCaches(num_blocks, heads[1], head_size, bs, DTYPES[dname], device,
                                  cache_bytes if rotate else 0)
             rows += _grid_rows(caches, dname, shapes, heads, head_size, variants, bw_ref(),
-                               baseline, min_time, min_reps, label)
+                               baseline, min_time, min_reps, label,
+                               gflops_ref() if gflops_ref else None)
             del caches  # nothing else holds the layer copies: they are freed here
             gc.collect()
     return rows
 
 
 def _grid_rows(caches, dname, shapes, heads, head_size, variants, bw, baseline, min_time,
-               min_reps, label):
+               min_reps, label, gflops=None):
     num_heads, num_kv_heads = heads
     layers, ks, vs = caches.layers, caches.ks, caches.vs
     device = layers[0][0].device.type
@@ -346,6 +353,9 @@ def _grid_rows(caches, dname, shapes, heads, head_size, variants, bw, baseline, 
                        kv_heads=num_kv_heads, head_size=head_size, layers=len(layers),
                        cache_gib=caches.total_bytes / (1 << 30), us=t * 1e6, gbs=gbs,
                        bw_gbs=bw, pct_bw=100 * gbs / bw)
+            if gflops:
+                roof = roofline_gbs(bw, gflops, DTYPES[dname], num_heads // num_kv_heads)
+                row.update(gflops=gflops, roof_gbs=roof, pct_roof=100 * gbs / roof)
             if baseline:
                 run(0)
                 err = (ref - out.float()).abs().max().item()
@@ -387,6 +397,8 @@ def bench_cache_write_rows(device, dtypes, bw_copy):
 def fmt_row(r):
     s = (f"  {r['variant']:11s} {r['dtype']:8s} bs={r['block_size']:<3d} B={r['batch']:<3d} "
          f"L={r['ctx']:<6d} {r['us']:10.1f} us {r['gbs']:7.2f} GB/s {r['pct_bw']:6.1f}% of bw")
+    if r.get("pct_roof") not in (None, ""):
+        s += f" {r['pct_roof']:6.1f}% of roofline"
     if "speedup" in r:
         s += f"  gather+SDPA x{r['speedup']:6.1f}  err {r['max_err']:.1e}"
     return s
@@ -402,8 +414,9 @@ def summary_tables(rows, shapes):
         sel = [r for r in grid if (r["batch"], r["ctx"]) == (batch, ctx)]
         if not sel:
             continue
-        lines.append(f"B={batch} L={ctx}: GB/s (% of read bandwidth) by block size")
-        lines.append(f"  {'dtype':8s} {'variant':11s} " + "".join(f"{'bs ' + str(b):>15s}"
+        lines.append(f"B={batch} L={ctx}: GB/s (% of read bandwidth / of the roofline) by "
+                     "block size")
+        lines.append(f"  {'dtype':8s} {'variant':11s} " + "".join(f"{'bs ' + str(b):>20s}"
                                                              for b in bss))
         keys = dict.fromkeys((r["dtype"], r["variant"]) for r in grid)  # the same order per shape
         keys = [k for k in keys if any((r["dtype"], r["variant"]) == k for r in sel)]
@@ -412,8 +425,11 @@ def summary_tables(rows, shapes):
             for b in bss:
                 hit = [r for r in sel if (r["dtype"], r["variant"], r["block_size"]) ==
                        (dname, variant, b)]
-                cells.append(f"{hit[0]['gbs']:6.1f} ({hit[0]['pct_bw']:3.0f}%)" if hit else "-")
-            lines.append(f"  {dname:8s} {variant:11s} " + "".join(f"{c:>15s}" for c in cells))
+                roof = hit[0].get("pct_roof") if hit else None
+                roof = f"/{roof:3.0f}%" if roof not in (None, "") else ""
+                cells.append(f"{hit[0]['gbs']:6.1f} ({hit[0]['pct_bw']:3.0f}%{roof})"
+                             if hit else "-")
+            lines.append(f"  {dname:8s} {variant:11s} " + "".join(f"{c:>20s}" for c in cells))
     return "\n".join(lines)
 
 
@@ -618,6 +634,8 @@ def read_csv_rows(paths):
                     r[k] = int(r[k])
                 for k in ("us", "gbs", "bw_gbs", "pct_bw"):
                     r[k] = float(r[k])
+                for k in ("gflops", "roof_gbs", "pct_roof"):  # CPU rows of a CSV with them
+                    r[k] = float(r[k]) if r.get(k) else None
                 rows.append(r)
     return rows
 
@@ -648,6 +666,15 @@ def run_benchmark(a):
             print(f"read bandwidth: {bw:.1f} GB/s ({how})", flush=True)
         return statistics.median(bws)
 
+    gfs = []
+
+    def gflops_ref():
+        # The compute side of the roofline, re-measured with the bandwidth; the median so far.
+        gfs.append(gemm_gflops())
+        if len(gfs) == 1:
+            print(f"fp32 GEMM (torch.mm): {gfs[0]:.1f} GFLOP/s", flush=True)
+        return statistics.median(gfs)
+
     print(f"paged_ops attention benchmark on {device}: {info['cpu']} ({info['cores']} CPUs), "
           f"{info['date']}, commit {info['commit']}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU kernel builds "
@@ -665,7 +692,8 @@ def run_benchmark(a):
     cache_bytes = a.cache_gib * (1 << 30)
     rows = []
     common = dict(heads=(num_heads, num_kv_heads), head_size=a.head_size, bw_ref=bw_ref,
-                  cache_bytes=cache_bytes, min_time=a.min_time, min_reps=a.min_reps)
+                  cache_bytes=cache_bytes, min_time=a.min_time, min_reps=a.min_reps,
+                  gflops_ref=gflops_ref if device == "cpu" else None)
     if a.multi_token:
         if device != "cuda":
             sys.exit("--multi-token rows are for --device cuda")
@@ -693,7 +721,8 @@ def run_benchmark(a):
                                            bw_copy)
         use_variant(selected)
         print(f"read bandwidth over the run: {min(bws):.1f}-{max(bws):.1f} GB/s "
-              f"(median {statistics.median(bws):.1f}, {len(bws)} measurements)")
+              f"(median {statistics.median(bws):.1f}, {len(bws)} measurements); fp32 GEMM "
+              f"{min(gfs):.1f}-{max(gfs):.1f} GFLOP/s (median {statistics.median(gfs):.1f})")
         print(summary_tables(rows, shapes))
     else:
         # One sequence at a long context (split-K), a middle batch, a large batch.

@@ -12,8 +12,10 @@ bandwidth (torch.sum over the same amount) is timed in the same rounds.
 --kernels: names of the package's builds (paged_ops.supported_cpu_kernel_variants()), "selected"
 (the builds chosen at import, by block size) or
 name=path of another kernel library (a build of another revision, e.g. by ab_kernels.py).
-Prints GB/s (K and V read once per call), its share of the read bandwidth, and each kernel's
-time relative to the first kernel's.
+Prints GB/s (K and V read once per call), its share of the read bandwidth and of the roofline,
+and each kernel's time relative to the first kernel's. The roofline is min(read bandwidth, FMA
+rate x cache bytes per flop of the call), the FMA rate an fp32 GEMM timed in the same rounds
+(paged_ops.tune.gemm_gflops): a cell where the CPU is compute-bound shows as one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 import torch
 
 import paged_ops
+from paged_ops.tune import gemm_gflops, roofline_gbs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402
@@ -116,11 +119,12 @@ def main(argv=None):
                 per_call = (time.perf_counter() - t0) / len(caches)
                 n_calls = max(len(caches), round(args.min_time / per_call))
                 times = {name: [] for name, _ in kernels}
-                bw = []
+                bw, gf = [], []
                 for r in range(args.reps):
                     t0 = time.perf_counter()
                     big.sum()
                     bw.append(big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+                    gf.append(gemm_gflops(min_time=0.02))
                     for name, k in kernels if r % 2 == 0 else kernels[::-1]:
                         use(k)
                         t0 = time.perf_counter()
@@ -128,12 +132,15 @@ def main(argv=None):
                             call(i)
                         times[name].append((time.perf_counter() - t0) / n_calls)
                 gbw = statistics.median(bw)
+                roof = roofline_gbs(gbw, statistics.median(gf), CACHE[dn], H // Hkv)
                 base = statistics.median(times[kernels[0][0]])
-                line = f"B={B:<3d} L={L:<5d} {dn:8s} bs {bs:3d} bw {gbw:5.1f} |"
+                line = (f"B={B:<3d} L={L:<5d} {dn:8s} bs {bs:3d} bw {gbw:5.1f} "
+                        f"gemm {statistics.median(gf):5.1f} roof {roof:5.1f} |")
                 for name, _ in kernels:
                     t = statistics.median(times[name])
                     line += (f" {name} {t * 1e3:6.2f} ms {nbytes / t / 1e9:5.1f} GB/s "
-                             f"{100 * nbytes / t / 1e9 / gbw:3.0f}% {base / t:4.2f}x |")
+                             f"{100 * nbytes / t / 1e9 / gbw:3.0f}% bw "
+                             f"{100 * nbytes / t / 1e9 / roof:3.0f}% roof {base / t:4.2f}x |")
                 print(line, flush=True)
                 del caches
     use(before)
