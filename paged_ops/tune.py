@@ -228,18 +228,17 @@ def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds
     if len(stage) > 1:
         winner = _race(w, stage, rounds, calls, winner)
         timed += stage[1:]
-    # Stage 3: blocks per softmax step.
-    paths = {"qk_path": winner.d["qk_path"], "pv_path": winner.d["pv_path"]}
-    forced_paths = {k: v for k, v in winner.knobs.items() if v is not None}
-    stage = [winner] + [_candidate(b, key, dict(forced_paths or paths, blocks_per_group=g))
+    # Stage 3: blocks per softmax step (a plan forces only the knobs that won).
+    forced = {k: v for k, v in winner.knobs.items() if v is not None}
+    stage = [winner] + [_candidate(b, key, dict(forced, blocks_per_group=g))
                         for g in range(1, _plans.MAX_GROUP + 1)]
     stage = _dedupe(stage)
     if len(stage) > 1:
         winner = _race(w, stage, rounds, calls, winner)
         timed += stage[1:]
     # Stage 4: no prefetches of the next step's blocks.
-    knobs = {k: v for k, v in winner.knobs.items() if v is not None}
-    c = _candidate(b, key, dict(knobs or paths, prefetch=False))
+    forced = {k: v for k, v in winner.knobs.items() if v is not None}
+    c = _candidate(b, key, dict(forced, prefetch=False))
     winner = _race(w, [winner, c], rounds, calls, winner)
     timed.append(c)
     best_of_build[b] = winner
