@@ -362,7 +362,7 @@ def main(argv=None) -> list:
                 mark = " <- winner" if c is winner else ""
                 print(f"  {c.label:45s} {t * 1e3:8.3f} {w.nbytes / t / 1e9:7.2f} "
                       f"{100 * w.nbytes / t / 1e9 / roof:7.0f}%{mark}")
-            summary.append((key, rules.median(), winner, roof))
+            summary.append((key, rules.median(), winner, roof, w.nbytes))
             all_plans += plans
     finally:
         paged_ops._install_plans()  # the plans of before, until the new ones are added
@@ -371,9 +371,9 @@ def main(argv=None) -> list:
           f"of the roofline")
     print(f"  {'key':52s} {'rules ms':>9s} {'tuned ms':>9s} {'x':>5s} {'GB/s':>6s} "
           f"{'roof':>5s}  winner")
-    for key, rules_t, winner, roof in summary:
+    for key, rules_t, winner, roof, nbytes in summary:
         t = winner.median()
-        gbs = w.nbytes / t / 1e9
+        gbs = nbytes / t / 1e9
         print(f"  {key_name(key):52s} {rules_t * 1e3:9.3f} {t * 1e3:9.3f} {rules_t / t:5.2f} "
               f"{gbs:6.2f} {100 * gbs / roof:4.0f}%  {winner.label.strip()}")
     if a.dry_run:
