@@ -22,7 +22,9 @@ from . import (
 from ._api import (
     allocate_kv_cache,
     copy_blocks,
+    merge_attention_states,
     paged_attention,
+    paged_attention_with_lse,
     reshape_and_cache,
     swap_blocks,
 )
@@ -36,9 +38,11 @@ __all__ = [
     "built_with_cuda",
     "copy_blocks",
     "cpu_kernel_variant",
+    "merge_attention_states",
     "set_cpu_kernel_variant",
     "supported_cpu_kernel_variants",
     "paged_attention",
+    "paged_attention_with_lse",
     "reshape_and_cache",
     "swap_blocks",
 ]

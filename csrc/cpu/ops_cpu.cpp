@@ -45,8 +45,10 @@ const KernelTable* kernels(int64_t block_size, DType cache_dtype) {
 }
 
 // The CPU part of attention / attention_out (attention_op.h): the index checks, then the kernel.
-void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims& d) {
+void run_attention(at::Tensor& out, at::Tensor* lse, const AttentionArgs& a,
+                   const AttentionDims& d) {
   check_attention_indices_cpu(d, a);
+  TORCH_CHECK(lse == nullptr && a.causal, "attention_with_lse / causal=False: not built yet");
   if (d.num_seqs == 0 || d.num_tokens == 0) return;
   AttentionParams p{};
   set_attention_args(p, out, a, d);
@@ -59,6 +61,7 @@ void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims&
   p.k_scale = fp8 ? host_scale(*a.k_scale) : 1.f;
   p.v_scale = fp8 ? host_scale(*a.v_scale) : 1.f;
   p.num_threads = at::get_num_threads();
+  p.lse = lse != nullptr ? lse->data_ptr<float>() : nullptr;
   kernels(d.cache.block_size, p.cache_dtype)->attention(p);
 }
 
@@ -123,4 +126,5 @@ extern "C" __attribute__((visibility("default"))) int paged_ops_cuda_sizes(int w
 TORCH_LIBRARY_IMPL(paged, CPU, m) {
   m.impl("attention", &paged::cpu::Op::attention);
   m.impl("attention_out", &paged::cpu::Op::attention_out);
+  m.impl("attention_with_lse", &paged::cpu::Op::attention_with_lse);
 }

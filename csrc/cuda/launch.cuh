@@ -91,6 +91,10 @@ struct AttentionParams {
   int32_t mt_heads_per_tile;   // query heads of one GQA group per CTA (GH)
   int32_t mt_group_tiles;      // CTAs per kv head along the GQA group
   int64_t mt_virtual_tiles;    // grid.x: num_tokens / TQ + num_seqs (see multi_token.cuh)
+  // attention_with_lse: fp32 [num_tokens, num_heads], contiguous, the natural-log log-sum-exp
+  // of each row's final logits (-inf for a row that sees no position); null otherwise.
+  float* lse = nullptr;
+  bool causal = true;  // false: every query row of a sequence sees all seq_len positions
 };
 
 struct AttentionPlan {

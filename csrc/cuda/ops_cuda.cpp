@@ -89,10 +89,12 @@ at::Tensor split_scratch(AttentionParams& p, int64_t rows, const at::Tensor& que
 
 // The CUDA part of attention / attention_out (attention_op.h): device and alignment checks, the
 // work split, the launch.
-void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims& d) {
+void run_attention(at::Tensor& out, at::Tensor* lse, const AttentionArgs& a,
+                   const AttentionDims& d) {
   const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
-               query_start_loc] = a;
+               query_start_loc, causal] = a;
+  TORCH_CHECK(lse == nullptr && causal, "attention_with_lse / causal=False: not built yet");
   if (d.num_seqs == 0 || d.num_tokens == 0) return;
   check_cuda(query, "query");
   check_cache_alignment(key_cache, "key_cache");
@@ -101,6 +103,7 @@ void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims&
 
   AttentionParams p{};
   set_attention_args(p, out, a, d);
+  p.lse = lse != nullptr ? lse->data_ptr<float>() : nullptr;
   p.num_blocks = d.cache.num_blocks;
   // Device-side clamp of seq_lens: what the block table can address, and max_seq_len if given.
   int64_t max_len = d.max_blocks_per_seq * d.cache.block_size;
@@ -366,6 +369,7 @@ TORCH_LIBRARY_IMPL(paged, CUDA, m) {
   m.impl("reshape_and_cache", &paged::gpu::reshape_and_cache);
   m.impl("attention", &paged::gpu::AttentionOps::attention);
   m.impl("attention_out", &paged::gpu::AttentionOps::attention_out);
+  m.impl("attention_with_lse", &paged::gpu::AttentionOps::attention_with_lse);
   m.impl("copy_blocks", &paged::gpu::copy_blocks);
   m.impl("swap_blocks", &paged::gpu::swap_blocks);
 }
