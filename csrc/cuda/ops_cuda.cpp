@@ -87,14 +87,14 @@ at::Tensor split_scratch(AttentionParams& p, int64_t rows, const at::Tensor& que
   return scratch;
 }
 
-// The CUDA part of attention / attention_out (attention_op.h): device and alignment checks, the
-// work split, the launch.
+// The CUDA part of attention / attention_out / attention_with_lse (attention_op.h): device and
+// alignment checks, the work split, the launch. lse (when given) is written by the kernel that
+// writes out: the attention kernel, or the split-K reduce kernel.
 void run_attention(at::Tensor& out, at::Tensor* lse, const AttentionArgs& a,
                    const AttentionDims& d) {
   const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
                query_start_loc, causal] = a;
-  TORCH_CHECK(lse == nullptr && causal, "attention_with_lse / causal=False: not built yet");
   if (d.num_seqs == 0 || d.num_tokens == 0) return;
   check_cuda(query, "query");
   check_cache_alignment(key_cache, "key_cache");
