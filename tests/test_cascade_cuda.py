@@ -521,3 +521,45 @@ def test_cuda_graph_cascade_replay_with_lengths_changed_in_place(dtype, multi_ke
         torch.testing.assert_close(got_out.cpu().float(), want_out.float(), **TOL[dtype],
                                    msg=f"replay {step}")
         torch.testing.assert_close(got_lse.cpu(), want_lse, **LSE_TOL, msg=f"replay {step}")
+
+
+# ------------------------------------------------------------------------------------------
+# opcheck and torch.compile on CUDA
+# ------------------------------------------------------------------------------------------
+
+
+def test_opcheck_with_lse_non_causal_and_merge():
+    pg = make_paged([1, 17, 40], 2, 64, 16, torch.bfloat16, device=DEV)
+    q = random_query(3, 8, 64, torch.bfloat16, device=DEV)
+    args = (q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 0.125)
+    op = torch.ops.paged.attention_with_lse.default
+    torch.library.opcheck(op, args)
+    torch.library.opcheck(op, args, dict(alibi_slopes=torch.rand(8, device=DEV),
+                                         sliding_window=20, logits_soft_cap=4.0))
+    qm = random_query(10, 8, 64, torch.bfloat16, device=DEV)
+    margs = (qm,) + args[1:]
+    mkw = dict(query_start_loc=qsl_of([2, 3, 5]), causal=False)
+    torch.library.opcheck(op, margs, mkw)
+    torch.library.opcheck(torch.ops.paged.attention.default, margs, mkw)
+    oa, la, ob, lb = (t.to(DEV) for t in merge_inputs(4, 3, 16, torch.bfloat16))
+    torch.library.opcheck(torch.ops.paged.merge_attention_states.default, (oa, la, ob, lb))
+
+
+def test_compile_cascade_step_equals_eager(multi_kernel):
+    pg, _, q, prefix, suffix, _ = cascade_inputs(5, [0, 3, 20], 8, 2, 64, 16, torch.bfloat16,
+                                                 torch.bfloat16, seed=25)
+    qsl = qsl_of([q.shape[0]])
+
+    def step(q, kc, vc, bt_p, sl_p, bt_s, sl_s, qsl):
+        out_p, lse_p = paged_ops.paged_attention_with_lse(q, kc, vc, bt_p, sl_p, 0.125,
+                                                          query_start_loc=qsl, causal=False)
+        out_s, lse_s = paged_ops.paged_attention_with_lse(q, kc, vc, bt_s, sl_s, 0.125)
+        return paged_ops.merge_attention_states(out_p, lse_p, out_s, lse_s)
+
+    args = (q, pg.key_cache, pg.value_cache, *prefix, *suffix, qsl)
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    got_out, got_lse = compiled(*args)
+    want_out, want_lse = step(*args)
+    torch.cuda.synchronize()
+    assert_same(got_out, want_out)
+    assert_same(got_lse, want_lse)
