@@ -32,7 +32,7 @@ void set_attention_args(Params& p, at::Tensor& out, const AttentionArgs& a,
                         const AttentionDims& d) {
   const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
-               query_start_loc] = a;
+               query_start_loc, causal] = a;
   using Size = decltype(p.num_heads);
   p.out = out.data_ptr();
   p.out_stride_seq = out.stride(0);
@@ -62,6 +62,7 @@ void set_attention_args(Params& p, at::Tensor& out, const AttentionArgs& a,
   p.sliding_window = sliding_window;
   p.dtype = kernel_dtype(query.scalar_type());
   p.cache_dtype = kernel_dtype(key_cache.scalar_type());
+  p.causal = causal;
 }
 
 }  // namespace paged

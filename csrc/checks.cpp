@@ -124,7 +124,7 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const Atte
   // sliding_window: any value is valid (<= 0 means no window).
   const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
-               query_start_loc] = a;
+               query_start_loc, causal] = a;
   TORCH_CHECK(query.dim() == 3, "query must have 3 dims [num_seqs, num_heads, head_size], got ",
               query.dim(), " dims with sizes ", query.sizes());
   TORCH_CHECK(is_float_dtype(query.scalar_type()),
@@ -219,6 +219,32 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const Atte
                 d.cache.block_size, " is not supported by the CUDA backend (supported: ",
                 join(bs), ")");
   }
+  return d;
+}
+
+MergeStatesDims check_merge_attention_states(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                             const at::Tensor& out_b, const at::Tensor& lse_b) {
+  TORCH_CHECK(out_a.dim() == 3, "out_a must have 3 dims [num_tokens, num_heads, head_size], got ",
+              out_a.dim(), " dims with sizes ", out_a.sizes());
+  TORCH_CHECK(is_float_dtype(out_a.scalar_type()),
+              "out_a must be float32, float16 or bfloat16, got ", out_a.scalar_type());
+  TORCH_CHECK(out_b.sizes() == out_a.sizes(), "out_b must have the shape of out_a ",
+              out_a.sizes(), ", got ", out_b.sizes());
+  TORCH_CHECK(out_b.scalar_type() == out_a.scalar_type(), "out_b dtype (", out_b.scalar_type(),
+              ") must equal out_a dtype (", out_a.scalar_type(), ")");
+  check_last_dim_contiguous(out_a, "out_a");
+  check_last_dim_contiguous(out_b, "out_b");
+  MergeStatesDims d{out_a.size(0), out_a.size(1), out_a.size(2)};
+  for (const auto& [lse, name] : {std::pair<const at::Tensor&, const char*>{lse_a, "lse_a"},
+                                  std::pair<const at::Tensor&, const char*>{lse_b, "lse_b"}}) {
+    TORCH_CHECK(lse.scalar_type() == at::kFloat, name, " must be float32, got ",
+                lse.scalar_type());
+    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == d.num_tokens && lse.size(1) == d.num_heads,
+                name, " must have shape [num_tokens, num_heads] = [", d.num_tokens, ", ",
+                d.num_heads, "], got ", lse.sizes());
+    check_same_device(lse, out_a, name, "out_a");
+  }
+  check_same_device(out_b, out_a, "out_b", "out_a");
   return d;
 }
 

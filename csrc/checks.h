@@ -65,6 +65,7 @@ struct AttentionArgs {
   const std::optional<at::Tensor>& v_scale;
   std::optional<int64_t> max_seq_len;
   const std::optional<at::Tensor>& query_start_loc;
+  bool causal;  // false: every query row of a sequence sees all seq_len positions
 };
 
 // All metadata checks of paged::attention / attention_out (`out` may be null).
@@ -77,6 +78,15 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const Atte
 // query_start_loc (when given) starts at 0, never decreases, ends at the number of query rows,
 // and gives no sequence more query tokens than its seq_len.
 void check_attention_indices_cpu(const AttentionDims& dims, const AttentionArgs& a);
+
+struct MergeStatesDims {
+  int64_t num_tokens, num_heads, head_size;
+};
+
+// paged::merge_attention_states: out_a / out_b [N, H, D] of one float dtype, last dim
+// contiguous; lse_a / lse_b fp32 [N, H]; all on one device.
+MergeStatesDims check_merge_attention_states(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                             const at::Tensor& out_b, const at::Tensor& lse_b);
 
 struct CacheWriteDims {
   CacheDims cache;

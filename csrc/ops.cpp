@@ -16,17 +16,29 @@ TORCH_LIBRARY(paged, m) {
       "attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables,"
       " Tensor seq_lens, float scale, Tensor? alibi_slopes=None, int sliding_window=-1,"
       " float logits_soft_cap=0.0, Tensor? k_scale=None, Tensor? v_scale=None,"
-      " int? max_seq_len=None, Tensor? query_start_loc=None) -> Tensor",
+      " int? max_seq_len=None, Tensor? query_start_loc=None, bool causal=True) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "attention_with_lse(Tensor query, Tensor key_cache, Tensor value_cache,"
+      " Tensor block_tables, Tensor seq_lens, float scale, Tensor? alibi_slopes=None,"
+      " int sliding_window=-1, float logits_soft_cap=0.0, Tensor? k_scale=None,"
+      " Tensor? v_scale=None, int? max_seq_len=None, Tensor? query_start_loc=None,"
+      " bool causal=True) -> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "attention_out(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache,"
       " Tensor block_tables, Tensor seq_lens, float scale, Tensor? alibi_slopes=None,"
       " int sliding_window=-1, float logits_soft_cap=0.0, Tensor? k_scale=None,"
-      " Tensor? v_scale=None, int? max_seq_len=None, Tensor? query_start_loc=None) -> ()",
+      " Tensor? v_scale=None, int? max_seq_len=None, Tensor? query_start_loc=None,"
+      " bool causal=True) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping)"
       " -> ()",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b)"
+      " -> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()",
         {at::Tag::pt2_compliant_tag});

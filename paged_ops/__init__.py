@@ -23,7 +23,9 @@ from . import (
 from ._api import (
     allocate_kv_cache,
     copy_blocks,
+    merge_attention_states,
     paged_attention,
+    paged_attention_with_lse,
     reshape_and_cache,
     swap_blocks,
 )
@@ -38,10 +40,12 @@ __all__ = [
     "copy_blocks",
     "cpu_kernel_variant",
     "cpu_plan",
+    "merge_attention_states",
     "plan_cache_path",
     "set_cpu_kernel_variant",
     "supported_cpu_kernel_variants",
     "paged_attention",
+    "paged_attention_with_lse",
     "reshape_and_cache",
     "swap_blocks",
 ]

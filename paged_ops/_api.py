@@ -9,7 +9,9 @@ import torch
 __all__ = [
     "allocate_kv_cache",
     "copy_blocks",
+    "merge_attention_states",
     "paged_attention",
+    "paged_attention_with_lse",
     "reshape_and_cache",
     "swap_blocks",
 ]
@@ -50,7 +52,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     sliding_window: int = -1, logits_soft_cap: float = 0.0,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     max_seq_len: int | None = None,
-                    query_start_loc: torch.Tensor | None = None,
+                    query_start_loc: torch.Tensor | None = None, causal: bool = True,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of new query tokens over a paged KV cache (decode: one token per sequence).
 
@@ -71,6 +73,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             owns query rows ``[qsl[s], qsl[s+1])``, its last ``q_len`` positions; row ``j`` at
             position ``P = seq_lens[s] - q_len + j`` attends causally to positions ``p <= P``
             (chunked prefill, prefix-cache hits, speculative verification).
+        causal: with ``query_start_loc``, ``False`` lets every row of sequence ``s`` see all
+            ``seq_lens[s]`` positions (window and ALiBi measured from ``seq_lens[s] - 1``): a
+            group of queries attending a shared prefix in one pass.
         out: optional output tensor (``attention_out``); otherwise a new one is returned.
 
     Returns:
@@ -80,11 +85,48 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         scale = query.shape[-1] ** -0.5
     args = (query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
             int(sliding_window), float(logits_soft_cap), k_scale, v_scale, max_seq_len,
-            query_start_loc)
+            query_start_loc, bool(causal))
     if out is None:
         return torch.ops.paged.attention(*args)
     torch.ops.paged.attention_out(out, *args)
     return out
+
+
+def paged_attention_with_lse(query: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, scale: float | None = None, *,
+                             alibi_slopes: torch.Tensor | None = None, sliding_window: int = -1,
+                             logits_soft_cap: float = 0.0, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None, max_seq_len: int | None = None,
+                             query_start_loc: torch.Tensor | None = None,
+                             causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention` and each row's log-sum-exp: ``(out, lse)``.
+
+    ``lse`` is fp32 ``[num_query_tokens, num_heads]``: the natural-log log-sum-exp of the row's
+    final logits (after scale, soft cap and ALiBi) over its visible positions, ``-inf`` for a
+    row that sees none (its output is zeros). Partial attentions over disjoint parts of a
+    sequence combine exactly with :func:`merge_attention_states`.
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    return torch.ops.paged.attention_with_lse(
+        query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
+        int(sliding_window), float(logits_soft_cap), k_scale, v_scale, max_seq_len,
+        query_start_loc, bool(causal))
+
+
+def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attentions over disjoint key sets into the attention over their union.
+
+    ``out_a``, ``out_b``: ``[num_tokens, num_heads, head_size]`` of one float dtype;
+    ``lse_a``, ``lse_b``: their fp32 ``[num_tokens, num_heads]`` log-sum-exps (from
+    :func:`paged_attention_with_lse`). Returns ``(out, lse)`` with
+    ``lse = log(e^lse_a + e^lse_b)`` and ``out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b``
+    (fp32 math, ``out`` in the inputs' dtype). A side whose lse is ``-inf`` contributes
+    nothing; both ``-inf`` give zeros and ``-inf``.
+    """
+    return torch.ops.paged.merge_attention_states(out_a, lse_a, out_b, lse_b)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

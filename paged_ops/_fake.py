@@ -133,16 +133,51 @@ def _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
 @torch.library.register_fake("paged::attention")
 def _attention_fake(query, key_cache, value_cache, block_tables, seq_lens, scale,
                     alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0, k_scale=None,
-                    v_scale=None, max_seq_len=None, query_start_loc=None):
+                    v_scale=None, max_seq_len=None, query_start_loc=None, causal=True):
     _check_attention(None, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
                      k_scale, v_scale, max_seq_len, query_start_loc)
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("paged::attention_with_lse")
+def _attention_with_lse_fake(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                             alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0,
+                             k_scale=None, v_scale=None, max_seq_len=None, query_start_loc=None,
+                             causal=True):
+    _check_attention(None, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+                     k_scale, v_scale, max_seq_len, query_start_loc)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    lse = query.new_empty((query.size(0), query.size(1)), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("paged::merge_attention_states")
+def _merge_attention_states_fake(out_a, lse_a, out_b, lse_b):
+    _check(out_a.dim() == 3, f"out_a must have 3 dims [num_tokens, num_heads, head_size], got "
+                             f"{out_a.dim()} dims with sizes {tuple(out_a.shape)}")
+    _check(out_a.dtype in _FLOAT, f"out_a must be float32, float16 or bfloat16, got "
+                                  f"{out_a.dtype}")
+    _check(out_b.shape == out_a.shape, f"out_b must have the shape of out_a "
+                                       f"{tuple(out_a.shape)}, got {tuple(out_b.shape)}")
+    _check(out_b.dtype == out_a.dtype,
+           f"out_b dtype ({out_b.dtype}) must equal out_a dtype ({out_a.dtype})")
+    n, h = out_a.size(0), out_a.size(1)
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        _check(lse.dtype == torch.float32, f"{name} must be float32, got {lse.dtype}")
+        _check(lse.dim() == 2 and lse.size(0) == n and lse.size(1) == h,
+               f"{name} must have shape [num_tokens, num_heads] = [{n}, {h}], got "
+               f"{tuple(lse.shape)}")
+        _same_device(lse, out_a, name, "out_a")
+    _same_device(out_b, out_a, "out_b", "out_a")
+    return (torch.empty_like(out_a, memory_format=torch.contiguous_format),
+            lse_a.new_empty((n, h)))
+
+
 @torch.library.register_fake("paged::attention_out")
 def _attention_out_fake(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                         alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0,
-                        k_scale=None, v_scale=None, max_seq_len=None, query_start_loc=None):
+                        k_scale=None, v_scale=None, max_seq_len=None, query_start_loc=None,
+                        causal=True):
     _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
                      k_scale, v_scale, max_seq_len, query_start_loc)
     return None

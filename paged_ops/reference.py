@@ -81,13 +81,18 @@ def gather_kv(key_cache, value_cache, block_table, seq_len):
 
 
 def dense_attention(q, k, v, scale, *, alibi_slopes=None, sliding_window=-1,
-                    logits_soft_cap=0.0):
-    """One query token ``q [H, D]`` over dense ``k, v [L, Hkv, D]`` (the last L positions)."""
+                    logits_soft_cap=0.0, return_lse=False):
+    """One query token ``q [H, D]`` over dense ``k, v [L, Hkv, D]`` (the last L positions).
+
+    With ``return_lse``: ``(out, lse)``, ``lse [H]`` the natural-log log-sum-exp of each head's
+    final logits over the visible positions (``-inf`` when none is visible).
+    """
     H, D = q.shape
     L, Hkv, _ = k.shape
     out = torch.zeros(H, D, dtype=torch.float32)
+    lse = torch.full((H,), float("-inf"), dtype=torch.float32)
     if L == 0:
-        return out
+        return (out, lse) if return_lse else out
     group = H // Hkv
     pos = torch.arange(L, dtype=torch.float32)
     for h in range(H):
@@ -102,27 +107,43 @@ def dense_attention(q, k, v, scale, *, alibi_slopes=None, sliding_window=-1,
         if sliding_window > 0:
             visible = pos >= L - sliding_window
         z = z[visible]
+        if z.numel() == 0:
+            continue
         out[h] = torch.softmax(z, dim=0) @ vh[visible]
-    return out
+        lse[h] = torch.logsumexp(z, dim=0)
+    return (out, lse) if return_lse else out
 
 
 def attention(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=None,
               sliding_window=-1, logits_soft_cap=0.0, k_scale=None, v_scale=None,
-              query_start_loc=None):
+              query_start_loc=None, causal=True):
     """Attention over the paged cache; result in the query's dtype.
 
     Decode (``query_start_loc`` None): row ``s`` of ``query`` is sequence ``s``'s query at its
     last position. With ``query_start_loc`` (int32 ``[num_seqs + 1]``), sequence ``s`` owns the
     rows ``[qsl[s], qsl[s+1])``, its last ``q_len`` positions: row ``j`` sits at position
     ``P = seq_lens[s] - q_len + j`` and sees positions ``p <= P`` (window and ALiBi measured
-    from ``P``, exactly as decode measures them from ``L - 1``). fp8 caches are read as
-    ``stored * scale``.
+    from ``P``, exactly as decode measures them from ``L - 1``). With ``causal=False`` every
+    row of sequence ``s`` sits at ``P = L - 1``: it sees all ``L`` positions. fp8 caches are
+    read as ``stored * scale``.
     """
+    return attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                              alibi_slopes, sliding_window, logits_soft_cap, k_scale, v_scale,
+                              query_start_loc, causal)[0]
+
+
+def attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                       alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0, k_scale=None,
+                       v_scale=None, query_start_loc=None, causal=True):
+    """:func:`attention` and the fp32 ``[num_query_tokens, num_heads]`` log-sum-exp of each
+    row's final logits (after scale, soft cap and ALiBi, over its visible positions; natural
+    log; ``-inf`` for a row that sees no position, whose output is zeros)."""
     kc, vc = key_cache.cpu(), value_cache.cpu()
     fp8 = is_fp8(kc.dtype)
     if fp8:
         ks, vs = _scale_value(k_scale, "k_scale"), _scale_value(v_scale, "v_scale")
     out = torch.empty(query.shape, dtype=torch.float32)
+    lse = torch.empty(query.shape[:2], dtype=torch.float32)
     num_seqs = query.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
     for s in range(num_seqs):
         L = int(seq_lens[s])
@@ -132,15 +153,32 @@ def attention(query, key_cache, value_cache, block_tables, seq_lens, scale, alib
         kw = dict(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
                   logits_soft_cap=logits_soft_cap)
         if query_start_loc is None:
-            out[s] = dense_attention(query[s].cpu(), k, v, scale, **kw)
+            out[s], lse[s] = dense_attention(query[s].cpu(), k, v, scale, return_lse=True, **kw)
             continue
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         q_len = end - start
         for j in range(q_len):
-            P = L - q_len + j  # this row's position: it sees positions 0..P
-            out[start + j] = dense_attention(query[start + j].cpu(), k[:P + 1], v[:P + 1], scale,
-                                             **kw)
-    return out.to(dtype=query.dtype, device=query.device)
+            P = L - q_len + j if causal else L - 1  # this row's position: it sees 0..P
+            out[start + j], lse[start + j] = dense_attention(
+                query[start + j].cpu(), k[:P + 1], v[:P + 1], scale, return_lse=True, **kw)
+    return out.to(dtype=query.dtype, device=query.device), lse.to(query.device)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """The attention over the union of two disjoint key sets from the attentions over each:
+    ``lse = log(e^lse_a + e^lse_b)``, ``out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b``
+    in fp32, ``out`` in the inputs' dtype. A side with ``lse = -inf`` contributes nothing;
+    both ``-inf`` gives zeros and ``-inf``."""
+    a, b = lse_a.float().cpu(), lse_b.float().cpu()
+    lse = torch.logaddexp(a, b)
+    none = torch.isneginf(lse)
+    safe = torch.where(none, torch.zeros_like(lse), lse)
+    wa = torch.where(torch.isneginf(a), torch.zeros_like(a), torch.exp(a - safe))
+    wb = torch.where(torch.isneginf(b), torch.zeros_like(b), torch.exp(b - safe))
+    oa = torch.where(torch.isneginf(a)[..., None], 0.0, wa[..., None] * out_a.float().cpu())
+    ob = torch.where(torch.isneginf(b)[..., None], 0.0, wb[..., None] * out_b.float().cpu())
+    out = oa + ob
+    return out.to(dtype=out_a.dtype, device=out_a.device), lse.to(out_a.device)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):

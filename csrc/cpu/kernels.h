@@ -57,6 +57,10 @@ struct AttentionParams {
   int64_t num_threads;     // at::get_num_threads() of the caller, for the split heuristic
   DType dtype;             // query / output
   DType cache_dtype;
+  // attention_with_lse: fp32 [num_tokens, num_heads], contiguous, the natural-log log-sum-exp
+  // of each row's final logits (-inf for a row that sees no position); null otherwise.
+  float* lse = nullptr;
+  bool causal = true;  // false: every query row of a sequence sees all seq_len positions
   // A tuned plan's knobs (ops_cpu.cpp looks the call's plan up; zeros: the rules decide).
   KernelPlan plan;
 };
@@ -69,7 +73,7 @@ struct KernelTable {
   void (*describe)(const AttentionParams&, PlanInfo*);
 };
 
-constexpr int32_t kKernelAbiVersion = 3;
+constexpr int32_t kKernelAbiVersion = 4;
 
 }  // namespace paged::cpu
 

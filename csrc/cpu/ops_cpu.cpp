@@ -88,8 +88,10 @@ using AutotuneHook = void (*)(int32_t dtype, int32_t cache_dtype, int64_t block_
 std::atomic<AutotuneHook> g_autotune{nullptr};
 
 // The CPU part of attention / attention_out (attention_op.h): the index checks, then the kernel.
-void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims& d) {
+void run_attention(at::Tensor& out, at::Tensor* lse, const AttentionArgs& a,
+                   const AttentionDims& d) {
   check_attention_indices_cpu(d, a);
+  TORCH_CHECK(lse == nullptr && a.causal, "attention_with_lse / causal=False: not built yet");
   if (d.num_seqs == 0 || d.num_tokens == 0) return;
   AttentionParams p{};
   set_attention_args(p, out, a, d);
@@ -102,6 +104,7 @@ void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims&
   p.k_scale = fp8 ? host_scale(*a.k_scale) : 1.f;
   p.v_scale = fp8 ? host_scale(*a.v_scale) : 1.f;
   p.num_threads = at::get_num_threads();
+  p.lse = lse != nullptr ? lse->data_ptr<float>() : nullptr;
   const KernelTable* table = kernels(d.cache.block_size, p.cache_dtype);
   const PlanEntry* e = find_plan(p);
   if (e == nullptr && p.block_size <= kMaxCellBlockSize) {
@@ -266,4 +269,5 @@ extern "C" __attribute__((visibility("default"))) int paged_ops_cuda_sizes(int w
 TORCH_LIBRARY_IMPL(paged, CPU, m) {
   m.impl("attention", &paged::cpu::Op::attention);
   m.impl("attention_out", &paged::cpu::Op::attention_out);
+  m.impl("attention_with_lse", &paged::cpu::Op::attention_with_lse);
 }

@@ -11,7 +11,8 @@
 // and a second kernel merges them:
 //   M = max_i m_i;  l = sum_i l_i e^(m_i-M);  out = (sum_i o_i e^(m_i-M)) / l
 // where partitions that saw nothing (m_i = -inf, l_i = 0) are skipped by a branch (their o_i is
-// never read, and e^(-inf - -inf) is never evaluated).
+// never read, and e^(-inf - -inf) is never evaluated). attention_with_lse (p.lse set): each row
+// also gets M + log l (row_lse), from the CTA or, split, from the reduce kernel.
 //
 // q.k: lane l owns token l of the tile (block l / BS, offset l % BS) and reads its key row as
 // D/x 16-byte vectors [c][offset][x] — the lanes of one block read bs*16 contiguous bytes per
@@ -72,6 +73,14 @@ struct QueryIO<QAny> {
     }
   }
 };
+
+// Log-sum-exp of a row from its online-softmax state: the max m of its logits and the sum l of
+// e^(z - m) over them. The logits are natural-log ones (the kernels exponentiate with __expf, and
+// an fp8 k_scale is folded into the query scale, so z is already the real logit). A row that saw
+// nothing (l = 0, m = -inf) gets -inf.
+__device__ __forceinline__ float row_lse(float m, float l) {
+  return l > 0.f ? m + logf(l) : -INFINITY;
+}
 
 template <typename QT, typename CT, int D, int BS, int GT>
 __global__ void __launch_bounds__(kAttnThreads)
@@ -340,6 +349,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     } else {
       Q::store(p.out, s * p.out_stride_seq + h * p.out_stride_head + d, l > 0.f ? o / l : 0.f,
                p.dtype);
+      if (p.lse != nullptr && d == 0) p.lse[s * p.num_heads + h] = row_lse(M, l);
     }
   }
 }
@@ -387,6 +397,7 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
   lsum = block_reduce<false>(lsum, red);  // its barriers also publish w_s
   const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[s * p.num_heads + h] = row_lse(M, lsum);
   T* out = static_cast<T*>(p.out) + s * p.out_stride_seq + static_cast<int64_t>(h) * p.out_stride_head;
   for (int d = threadIdx.x; d < D; d += kReduceThreads) {
     float a = 0.f;

@@ -91,6 +91,10 @@ struct AttentionParams {
   int32_t mt_heads_per_tile;   // query heads of one GQA group per CTA (GH)
   int32_t mt_group_tiles;      // CTAs per kv head along the GQA group
   int64_t mt_virtual_tiles;    // grid.x: num_tokens / TQ + num_seqs (see multi_token.cuh)
+  // attention_with_lse: fp32 [num_tokens, num_heads], contiguous, the natural-log log-sum-exp
+  // of each row's final logits (-inf for a row that sees no position); null otherwise.
+  float* lse = nullptr;
+  bool causal = true;  // false: every query row of a sequence sees all seq_len positions
 };
 
 struct AttentionPlan {
@@ -199,6 +203,26 @@ cudaError_t launch_multi_mma_f16(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_multi_mma_bf16(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_multi_mma_e4m3(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_multi_mma_e5m2(const AttentionParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// merge_attention_states (merge_states.cu)
+// ---------------------------------------------------------------------------------------------
+
+struct MergeStatesParams {
+  const void* out_a;  // [num_tokens, num_heads, head_size] of `dtype`, last dim contiguous
+  const void* out_b;
+  int64_t a_stride_tok, a_stride_head, b_stride_tok, b_stride_head;
+  const float* lse_a;  // [num_tokens, num_heads], any strides
+  const float* lse_b;
+  int64_t la_stride_tok, la_stride_head, lb_stride_tok, lb_stride_head;
+  void* out;   // [num_tokens, num_heads, head_size] of `dtype`, contiguous
+  float* lse;  // [num_tokens, num_heads], contiguous
+  int64_t num_tokens;
+  int32_t num_heads, head_size;
+  DType dtype;  // F32, F16 or BF16
+};
+
+cudaError_t launch_merge_states(const MergeStatesParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Cache write and block copies

@@ -13,7 +13,8 @@
 // query_start_loc; tiles past a sequence's q_len exit at once.
 //
 // Row (token j of q_len, head g) sits at position P = L - q_len + j and sees [lo, P] with
-// lo = P - sliding_window + 1 (or 0). The CTA walks 32-position key tiles over
+// lo = P - sliding_window + 1 (or 0); with causal=False every row sits at P = L - 1 (it sees the
+// whole sequence, window and ALiBi measured from there). The CTA walks 32-position key tiles over
 // [min lo, max P] of its rows (clipped to its partition):
 //   1. all threads: K tile -> kt_s[d][t] (fp32, transposed), V tile -> v_s[d][t] (fp32), zeros
 //      at positions no row of the CTA may see (outside [lo_min, P_max] or its partition, or
@@ -80,7 +81,9 @@ struct MtTile {
   int64_t qs0;    // its first query row
   int64_t q_len;  // its query tokens
   int64_t j0;     // first token of this tile within the sequence
-  int64_t pos0;   // position of that token: L - q_len + j0 (may be negative for bad input)
+  int64_t pos0;   // position of that token: L - q_len + j0 (may be negative for bad input);
+                  // L - 1 for causal=False
+  int pos_step;   // 1, or 0 for causal=False: every token of the tile sits at pos0
   int n_tok;      // tokens of this tile (<= TQ)
   int L;          // the sequence's length, clamped to [0, max_len]
   int kvh, h0, gv;  // kv head, first query head, valid heads of the group tile
@@ -90,7 +93,7 @@ struct MtTile {
   // Position of token jj of the tile, clamped to >= -1 (a row at a negative position sees
   // nothing either way), so positions fit in ints.
   __device__ __forceinline__ int row_pos(int64_t jj) const {
-    const int64_t P = pos0 + jj;
+    const int64_t P = pos0 + jj * pos_step;
     return static_cast<int>(P < -1 ? -1 : P);
   }
 };
@@ -137,10 +140,13 @@ __device__ __forceinline__ bool mt_find_tile(const AttentionParams& p, int lane,
   int64_t L = p.seq_lens[t.s * p.sl_stride];
   L = L < 0 ? 0 : (L > p.max_len ? p.max_len : L);
   t.L = static_cast<int>(L);  // seq_lens are int32
-  t.pos0 = L - t.q_len + t.j0;
+  t.pos_step = p.causal ? 1 : 0;
+  t.pos0 = p.causal ? L - t.q_len + t.j0 : L - 1;
   const int64_t part_begin = static_cast<int64_t>(blockIdx.z) * p.partition_tokens;
   int64_t key_lo = max(mt_first_visible(t.pos0, p.sliding_window), part_begin);
-  int64_t key_hi = min(t.pos0 + t.n_tok, part_begin + p.partition_tokens);  // <= L
+  // One past the last token's position: <= L.
+  int64_t key_hi = min(t.pos0 + static_cast<int64_t>(t.n_tok - 1) * t.pos_step + 1,
+                       part_begin + p.partition_tokens);
   if (key_lo >= key_hi) key_lo = key_hi = 0;
   t.k_lo = static_cast<int>(key_lo);
   t.k_hi = static_cast<int>(key_hi);
@@ -449,6 +455,7 @@ __global__ void __launch_bounds__(kMultiThreads, MultiCfg<D>::kMinBlocks)
       const int64_t o0 = row * p.out_stride_seq + h * p.out_stride_head;
 #pragma unroll
       for (int m = 0; m < DPL; ++m) Q::store(p.out, o0 + kk + NK * m, acc[a][m] * inv, p.dtype);
+      if (p.lse != nullptr && kk == 0) p.lse[row * p.num_heads + h] = row_lse(m_run[a], l);
     }
   }
 }

@@ -409,6 +409,7 @@ __global__ void __launch_bounds__(kMultiThreads, 2)
         o[8 * n + 2 * cq] = Elem<QT>::from_float(acc[n][2 * hh] * inv);
         o[8 * n + 2 * cq + 1] = Elem<QT>::from_float(acc[n][2 * hh + 1] * inv);
       }
+      if (p.lse != nullptr && cq == 0) p.lse[row * p.num_heads + h] = row_lse(m_run[hh], l);
     }
   }
 }

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <tuple>
 
 #include "attention_args.h"
 #include "attention_op.h"
@@ -87,12 +88,14 @@ at::Tensor split_scratch(AttentionParams& p, int64_t rows, const at::Tensor& que
   return scratch;
 }
 
-// The CUDA part of attention / attention_out (attention_op.h): device and alignment checks, the
-// work split, the launch.
-void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims& d) {
+// The CUDA part of attention / attention_out / attention_with_lse (attention_op.h): device and
+// alignment checks, the work split, the launch. lse (when given) is written by the kernel that
+// writes out: the attention kernel, or the split-K reduce kernel.
+void run_attention(at::Tensor& out, at::Tensor* lse, const AttentionArgs& a,
+                   const AttentionDims& d) {
   const auto& [query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                sliding_window, logits_soft_cap, k_scale, v_scale, max_seq_len,
-               query_start_loc] = a;
+               query_start_loc, causal] = a;
   if (d.num_seqs == 0 || d.num_tokens == 0) return;
   check_cuda(query, "query");
   check_cache_alignment(key_cache, "key_cache");
@@ -101,6 +104,7 @@ void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims&
 
   AttentionParams p{};
   set_attention_args(p, out, a, d);
+  p.lse = lse != nullptr ? lse->data_ptr<float>() : nullptr;
   p.num_blocks = d.cache.num_blocks;
   // Device-side clamp of seq_lens: what the block table can address, and max_seq_len if given.
   int64_t max_len = d.max_blocks_per_seq * d.cache.block_size;
@@ -186,6 +190,43 @@ void run_attention(at::Tensor& out, const AttentionArgs& a, const AttentionDims&
 }
 
 using AttentionOps = AttentionOp<Backend::CUDA, &run_attention>;
+
+std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& out_a,
+                                                          const at::Tensor& lse_a,
+                                                          const at::Tensor& out_b,
+                                                          const at::Tensor& lse_b) {
+  const MergeStatesDims d = check_merge_attention_states(out_a, lse_a, out_b, lse_b);
+  check_cuda(out_a, "out_a");
+  TORCH_CHECK(d.num_heads <= INT32_MAX && d.head_size <= INT32_MAX,
+              "merge_attention_states: too many heads or too large a head size for the CUDA "
+              "kernel, got [", d.num_tokens, ", ", d.num_heads, ", ", d.head_size, "]");
+  const c10::cuda::CUDAGuard guard(out_a.device());
+  at::Tensor out = at::empty({d.num_tokens, d.num_heads, d.head_size}, out_a.options());
+  at::Tensor lse = at::empty({d.num_tokens, d.num_heads}, lse_a.options());
+  if (d.num_tokens == 0 || d.num_heads == 0) return {out, lse};
+  MergeStatesParams p{};
+  p.out_a = out_a.data_ptr();
+  p.out_b = out_b.data_ptr();
+  p.a_stride_tok = out_a.stride(0);
+  p.a_stride_head = out_a.stride(1);
+  p.b_stride_tok = out_b.stride(0);
+  p.b_stride_head = out_b.stride(1);
+  p.lse_a = lse_a.data_ptr<float>();
+  p.lse_b = lse_b.data_ptr<float>();
+  p.la_stride_tok = lse_a.stride(0);
+  p.la_stride_head = lse_a.stride(1);
+  p.lb_stride_tok = lse_b.stride(0);
+  p.lb_stride_head = lse_b.stride(1);
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.num_tokens = d.num_tokens;
+  p.num_heads = static_cast<int32_t>(d.num_heads);
+  p.head_size = static_cast<int32_t>(d.head_size);
+  p.dtype = kernel_dtype(out_a.scalar_type());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out_a.device().index()).stream();
+  C10_CUDA_CHECK(launch_merge_states(p, stream));
+  return {out, lse};
+}
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
@@ -366,6 +407,8 @@ TORCH_LIBRARY_IMPL(paged, CUDA, m) {
   m.impl("reshape_and_cache", &paged::gpu::reshape_and_cache);
   m.impl("attention", &paged::gpu::AttentionOps::attention);
   m.impl("attention_out", &paged::gpu::AttentionOps::attention_out);
+  m.impl("attention_with_lse", &paged::gpu::AttentionOps::attention_with_lse);
+  m.impl("merge_attention_states", &paged::gpu::merge_attention_states);
   m.impl("copy_blocks", &paged::gpu::copy_blocks);
   m.impl("swap_blocks", &paged::gpu::swap_blocks);
 }
