@@ -265,9 +265,11 @@ void check_attention_indices_cpu(const AttentionDims& d, const AttentionArgs& a)
       const int64_t q_len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
       TORCH_CHECK(q_len >= 0, "query_start_loc must not decrease: query_start_loc[", s + 1,
                   "] = ", qsl[s + 1], " < query_start_loc[", s, "] = ", qsl[s]);
-      TORCH_CHECK(q_len <= sl[s], "sequence ", s, " has ", q_len,
+      // Causal rows are the sequence's last positions; non-causal rows all sit at its end, so
+      // any number of them is valid (a group of branches over a short shared prefix).
+      TORCH_CHECK(!a.causal || q_len <= sl[s], "sequence ", s, " has ", q_len,
                   " query tokens (query_start_loc) but seq_lens[", s, "] = ", sl[s],
-                  ": the query tokens are the last positions of the sequence");
+                  ": causal query tokens are the last positions of the sequence");
     }
   }
   for (int64_t s = 0; s < d.num_seqs; ++s) {

@@ -76,7 +76,7 @@ AttentionDims check_attention(Backend backend, const at::Tensor* out, const Atte
 // CPU only (reads the index tensors): 0 <= seq_lens[s] <= max_seq_len (when given) and
 // <= max_blocks_per_seq * block_size, every block id the sequence uses is in range, and
 // query_start_loc (when given) starts at 0, never decreases, ends at the number of query rows,
-// and gives no sequence more query tokens than its seq_len.
+// and gives no sequence more query tokens than its seq_len (causal rows only).
 void check_attention_indices_cpu(const AttentionDims& dims, const AttentionArgs& a);
 
 struct MergeStatesDims {

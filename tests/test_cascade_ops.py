@@ -497,10 +497,20 @@ def test_attention_with_lse_bad_input():
     with pytest.raises(RuntimeError, match="query_start_loc"):  # 3 rows, 2 sequences
         with_lse(q, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
                  query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="query tokens"):  # more rows than positions
-        with_lse(random_query(7, 8, 64, torch.float32), pg.key_cache, pg.value_cache,
-                 pg.block_tables, pg.seq_lens,
-                 query_start_loc=torch.tensor([0, 6, 7], dtype=torch.int32), causal=False)
+    # More rows than positions: causal rows are the last positions, so that is an error;
+    # non-causal rows all sit at the end and any number of them is valid.
+    q7 = random_query(7, 8, 64, torch.float32)
+    qsl = torch.tensor([0, 6, 7], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="query tokens"):
+        with_lse(q7, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                 query_start_loc=qsl)
+    out, lse = with_lse(q7, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens,
+                        query_start_loc=qsl, causal=False)
+    want, want_lse = ref.attention_with_lse(
+        q7, pg.key_cache, pg.value_cache, pg.block_tables, pg.seq_lens, 64 ** -0.5,
+        query_start_loc=qsl, causal=False)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
 # ---- opcheck and torch.compile -------------------------------------------------------------
