@@ -93,6 +93,13 @@ class PagedEngine:
         max_waiting_requests: most requests waiting for admission (new ones, and running
             ones preempted by recompute); :meth:`add_request` beyond it raises
             :class:`EngineOverloaded` (``None``: no limit).
+        cascade: in decode steps, attend the blocks that several sequences share (the
+            prompt of ``n`` branches or beams, prefix-cache hits common to several requests)
+            once per group instead of once per sequence, merging the partial attentions
+            exactly (:mod:`paged_ops.engine.cascade`): tokens are unchanged up to fp32
+            rounding. Layers with a sliding window, compiled steps and groups that would
+            save fewer than ``cascade.MIN_SAVED_TOKENS`` token reads take the plain path.
+            ``stats.cascade_steps`` counts the steps that used it.
 
     The pool is sized in blocks; :attr:`kv_bytes_per_block` gives the bytes one block takes
     over all layers (keys and values).
@@ -107,7 +114,7 @@ class PagedEngine:
                  enable_prefix_caching: bool = False,
                  kv_cache_dtype: torch.dtype | None = None,
                  kv_scale: float | tuple[float, float] | str = "auto",
-                 max_waiting_requests: int | None = None):
+                 max_waiting_requests: int | None = None, cascade: bool = True):
         if preemption_mode is None:
             preemption_mode = "swap" if num_cpu_blocks > 0 else "recompute"
         if preemption_mode not in ("recompute", "swap"):
@@ -181,7 +188,7 @@ class PagedEngine:
             num_blocks=self.num_blocks, num_cpu_blocks=self.num_cpu_blocks,
             kv_cache_dtype=kv_cache_dtype, device=self.device, dtype=self.dtype,
             num_heads=self.num_heads, compile=compile, k_scales=k_scales, v_scales=v_scales,
-            calibrate=calibrate, scale_target=scale_target)
+            calibrate=calibrate, scale_target=scale_target, cascade=bool(cascade))
         # fp8: one key and one value scale per layer (calibrated on the first forward pass).
         self.k_scales, self.v_scales = k_scales, v_scales
         self.key_caches, self.value_caches = self.runner.key_caches, self.runner.value_caches

@@ -70,6 +70,7 @@ class SchedulerOutput:
     groups: list[SeqGroup] = field(default_factory=list)
     block_ops: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
     cached_tokens: int = 0
+    cascade_saved_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
