@@ -57,6 +57,11 @@ class PagedEngine:
             sequences' decode rows (one token each) come first and always run, prompt chunks
             fill the rest. A prompt longer than what is left is prefilled in chunks over
             several steps, while the running sequences keep decoding (chunked prefill).
+        max_prefill_tokens_with_decodes: the most prompt tokens of a step that also runs
+            decode rows (``None``: what the budget leaves). A mixed step's time grows with
+            its prompt tokens, so a small value keeps the running sequences' inter-token
+            latency even while long prompts prefill, at the cost of a later first token for
+            those prompts; steps without decode rows still take the whole budget.
         watermark: fraction of the pool kept free when admitting a request while others run
             (headroom for their growth, fewer preemptions right after admission).
         compile: ``True`` wraps the model forward in ``torch.compile(dynamic=True)`` for every
@@ -114,7 +119,8 @@ class PagedEngine:
                  enable_prefix_caching: bool = False,
                  kv_cache_dtype: torch.dtype | None = None,
                  kv_scale: float | tuple[float, float] | str = "auto",
-                 max_waiting_requests: int | None = None, cascade: bool = True):
+                 max_waiting_requests: int | None = None, cascade: bool = True,
+                 max_prefill_tokens_with_decodes: int | None = None):
         if preemption_mode is None:
             preemption_mode = "swap" if num_cpu_blocks > 0 else "recompute"
         if preemption_mode not in ("recompute", "swap"):
@@ -124,6 +130,11 @@ class PagedEngine:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if max_prefill_tokens_with_decodes is not None and (
+                not isinstance(max_prefill_tokens_with_decodes, int)
+                or max_prefill_tokens_with_decodes < 1):
+            raise ValueError(f"max_prefill_tokens_with_decodes must be an int >= 1 or None, "
+                             f"got {max_prefill_tokens_with_decodes!r}")
         self.model = model
         self.config = config = model.config
         self.num_layers = int(config.num_hidden_layers)
@@ -205,7 +216,8 @@ class PagedEngine:
             self.block_manager, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             watermark_blocks=self.watermark_blocks, preemption_mode=preemption_mode,
-            enable_prefix_caching=self.enable_prefix_caching, num_blocks=self.num_blocks)
+            enable_prefix_caching=self.enable_prefix_caching, num_blocks=self.num_blocks,
+            max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes)
         self._next_seq_id = 0
         self._next_request_id = 0
         self._requests: dict[int, Request] = {}
