@@ -44,11 +44,11 @@ const KernelTable* kernels(int64_t block_size, DType cache_dtype) {
   return kernels();
 }
 
-// The CPU part of attention / attention_out (attention_op.h): the index checks, then the kernel.
+// The CPU part of attention / attention_out / attention_with_lse (attention_op.h): the index
+// checks, then the kernel.
 void run_attention(at::Tensor& out, at::Tensor* lse, const AttentionArgs& a,
                    const AttentionDims& d) {
   check_attention_indices_cpu(d, a);
-  TORCH_CHECK(lse == nullptr && a.causal, "attention_with_lse / causal=False: not built yet");
   if (d.num_seqs == 0 || d.num_tokens == 0) return;
   AttentionParams p{};
   set_attention_args(p, out, a, d);

@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -57,7 +58,7 @@ inline void start(ItemState<CT>& w, const ItemInfo& info) {
   const int64_t num_chunks = layout.num_chunks;
   R = (it.j1 - it.j0) * G;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t Ppos = it.L - it.q_len + it.j0 + r / G;
+    const int64_t Ppos = row_position(P, it.L, it.q_len, it.j0 + r / G);
     scratch.row_P[r] = Ppos;
     scratch.row_lo[r] = first_visible(P, Ppos);
   }
@@ -191,9 +192,10 @@ inline void finish(ItemState<CT>& w, float* part_ml, float* part_o) {
     }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t j = it.j0 + r / G, g = r % G;
-      char* o = o_base + ((it.row0 + (multi ? j : 0)) * P.out_stride_seq +
-                          (kvh * G + g) * P.out_stride_head) * osize;
+      const int64_t token = it.row0 + (multi ? j : 0);
+      char* o = o_base + (token * P.out_stride_seq + (kvh * G + g) * P.out_stride_head) * osize;
       store_scaled_as(P.dtype, o_h + r * D, st_h[r].output_scale(layout.v_scale), o, D);
+      if (P.lse != nullptr) P.lse[token * P.num_heads + kvh * G + g] = st_h[r].lse();
     }
   }
 }
@@ -220,11 +222,14 @@ inline void merge_splits(const AttentionParams& P, const Plan& plan, float v_sca
         return SoftmaxState{ml[0], ml[1]};
       };
       // The merged max first: each split's output is then weighted once, by e^(max_i - max)
-      // (merge leaves st's weight at 1), whatever order the maxima come in.
+      // (merge leaves st's weight at 1), whatever order the maxima come in. std::max drops a
+      // split's NaN max: nan keeps it for the lse.
       SoftmaxState st;  // sum 0 until the first non-empty split
+      bool nan = false;
       for (int64_t sp = 0; sp < plan.splits; ++sp) {
         const SoftmaxState si = state(sp);
         if (!si.empty()) st.max = std::max(st.max, si.max);
+        nan |= std::isnan(si.max);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t sp = 0; sp < plan.splits; ++sp) {
@@ -237,6 +242,9 @@ inline void merge_splits(const AttentionParams& P, const Plan& plan, float v_sca
       }
       char* o = o_base + (s * P.out_stride_seq + (kvh * G + g) * P.out_stride_head) * osize;
       store_scaled_as(P.dtype, acc.data(), st.output_scale(v_scale), o, D);
+      if (P.lse != nullptr)
+        P.lse[s * P.num_heads + kvh * G + g] =
+            nan ? std::numeric_limits<float>::quiet_NaN() : st.lse();
     }
   });
 }

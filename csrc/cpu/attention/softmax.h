@@ -31,6 +31,16 @@ struct SoftmaxState {
   // that sees nothing (seq_len 0), whose output is 0.
   float output_scale(float v_scale) const { return sum > 0.f ? v_scale / sum : 0.f; }
 
+  // The natural-log log-sum-exp of the logits seen: max + log(sum) (the logits are the final
+  // ones, in natural units: step takes e^(z - max)). -inf for a row that saw nothing; NaN once
+  // a NaN logit was seen; +inf when the largest logit is +inf (sum is then NaN: e^(inf - inf)),
+  // as torch.logsumexp gives.
+  float lse() const {
+    if (empty()) return -std::numeric_limits<float>::infinity();
+    if (std::isnan(max) || max == std::numeric_limits<float>::infinity()) return max;
+    return max + std::log(sum);
+  }
+
   // One step over a group's logits pr[0, n): pr becomes e^(z - max') (0 where z = -inf, and
   // all 0 when the row sees none of the group). Returns the factor e^(max - max') by which the
   // max's growth rescales sum (done here) and the row's sum of p * v (done here when acc is

@@ -56,6 +56,14 @@ inline CallScratch& call_scratch() {
   return s;
 }
 
+// The position of query row j of a sequence of length L with q_len query rows: its last
+// visible position. Causal rows are the sequence's last q_len positions; non-causal rows
+// (P.causal false) all sit at L - 1 and see the whole sequence. Decode (q_len 1) is L - 1 both
+// ways.
+inline int64_t row_position(const AttentionParams& P, int64_t L, int64_t q_len, int64_t j) {
+  return P.causal ? L - q_len + j : L - 1;
+}
+
 // First position visible to a query row at position Ppos (sliding window; else 0).
 inline int64_t first_visible(const AttentionParams& P, int64_t Ppos) {
   return P.sliding_window > 0 ? std::max<int64_t>(0, Ppos - P.sliding_window + 1) : 0;
@@ -182,10 +190,10 @@ inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t it
     it.row0 = it.s;
   }
   it.L = P.seq_lens[it.s * P.sl_stride];
-  // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = L - q_len + j: both bounds grow
-  // with j.
-  it.lo_min = first_visible(P, it.L - it.q_len + it.j0);
-  it.P_max = it.L - it.q_len + it.j1 - 1;
+  // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = row_position(j): both bounds
+  // grow with j (non-causal: both are constant).
+  it.lo_min = first_visible(P, row_position(P, it.L, it.q_len, it.j0));
+  it.P_max = row_position(P, it.L, it.q_len, it.j1 - 1);
   it.b_first = it.L > 0 ? it.lo_min / bs : 0;
   it.b_last = it.L > 0 ? it.P_max / bs : -1;
   if (plan.splits > 1) {
