@@ -272,6 +272,8 @@ def online(args) -> None:
     kw = dict(num_blocks=num_blocks, block_size=per_block, eos_token_id=None)
     if args.budget:
         kw["max_num_batched_tokens"] = args.budget
+    if args.prefill_cap:
+        kw["max_prefill_tokens_with_decodes"] = args.prefill_cap
     engine = PagedEngine(model, **kw)
     sp = SamplingParams(max_new_tokens=args.max_new, ignore_eos=True)
     engine.generate(random_prompts(2, 16, args.vocab, 0), params=SamplingParams(max_new_tokens=4))
@@ -286,7 +288,8 @@ def online(args) -> None:
     engine.scheduler.schedule = recording_schedule
     print(f"# online: {n} requests, Poisson {args.rate}/s, prompts of {args.short_len} tokens, "
           f"1 in {args.long_every} of {args.long_len}, {args.max_new} new tokens; {name}; "
-          f"budget {engine.max_num_batched_tokens}; Llama hidden {args.hidden}, "
+          f"budget {engine.max_num_batched_tokens}, prefill tokens beside decodes "
+          f"{args.prefill_cap or 'unlimited'}; Llama hidden {args.hidden}, "
           f"{args.layers} layers; {torch.get_num_threads()} threads; {cpu_name()}")
     rid_of: dict[int, int] = {}
     token_times: dict[int, list[float]] = {i: [] for i in range(n)}
@@ -346,6 +349,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=None,
                     help="the engine's max_num_batched_tokens (default: the engine's offline, "
                          f"{ONLINE_BUDGET} online)")
+    ap.add_argument("--prefill-cap", type=int, default=None,
+                    help="online: max_prefill_tokens_with_decodes (default: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)

@@ -117,6 +117,29 @@ def test_decodes_run_while_a_long_prompt_is_chunked(chunk_setup):
     _check_pool_empty(engine)
 
 
+def test_prefill_tokens_beside_decodes_are_capped(chunk_setup):
+    """max_prefill_tokens_with_decodes=3: while a request decodes, the long prompt is
+    prefilled 3 tokens per step (the budget alone would allow 7); alone, a step takes the
+    whole budget. Tokens are unchanged."""
+    model, prompts, refs = chunk_setup
+    engine = PagedEngine(model, num_blocks=64, block_size=8, max_num_batched_tokens=BUDGET,
+                         max_prefill_tokens_with_decodes=3, eos_token_id=None)
+    outs = engine.generate([prompts[0], prompts[4]], MAX_NEW)
+    assert outs == [[refs[0]], [refs[4]]]
+    st = engine.stats
+    assert st.mixed_steps > 0
+    for rec in st.timeline:
+        if rec.decode_rows:
+            assert rec.prefill_tokens <= 3
+        else:
+            assert rec.num_tokens <= BUDGET
+    # Both prompts fit the first step's budget of 8 only in part: 8 prompt tokens, no decode.
+    assert st.timeline[0].prefill_tokens == BUDGET
+    for bad in (0, -1, 2.5, "4"):
+        with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+            PagedEngine(model, num_blocks=8, block_size=8, max_prefill_tokens_with_decodes=bad)
+
+
 def test_no_sdpa_and_no_dense_mask(chunk_setup, monkeypatch):
     """Prefill of several prompts at once, chunked and not: attention never goes through
     SDPA (nor any other dense-mask attention) inside the engine."""

@@ -3,7 +3,8 @@
 The test saves a tiny random Llama (GQA: 4 query heads, 2 KV heads), launches
 ``torchrun --nproc-per-node 2`` on ``tests/tp_worker.py`` (each rank loads the model with
 transformers' ``tp_plan="auto"``) and checks every rank's tokens, with a pool small enough to
-preempt (by recompute; by swapping in one run) and prefix caching on, against one process:
+preempt (by recompute; by swapping in one run), prefix caching on, chunked prefill in one run
+and cascade decode of the branches' shared blocks, against one process:
 transformers' ``generate`` for greedy (two branches per prompt), one process's engine for
 seeded sampling and beam search. Each rank caches one KV head (half the bytes of one process),
 every step is scheduled identically with bitwise identical logits on both ranks, and a model
@@ -111,8 +112,17 @@ def test_greedy_tokens_equal_one_process(ranks):
         stats = res["greedy_stats"]
         assert stats["preemptions"] > 0, stats  # the pool is small enough to preempt
         assert stats["forks"] > 0 and stats["cached_prompt_tokens"] > 0, stats
+        assert stats["cascade_steps"] > 0, stats  # the branches' shared prompt blocks
         for i, (branches, want) in enumerate(zip(res["greedy"], ref["greedy"], strict=True)):
             assert branches == [want] * len(branches), f"rank {res['rank']} prompt {i}"
+
+
+def test_chunked_prefill_equals_one_process(ranks):
+    """A step budget of 8 tokens: every prompt is prefilled in chunks, mixed with decodes."""
+    results, ref = ranks
+    for res in results:
+        assert res["chunked_mixed_steps"] > 0
+        assert res["chunked"] == [[want] for want in ref["greedy"]], f"rank {res['rank']}"
 
 
 def test_prefix_cache_hits_equal_one_process(ranks):

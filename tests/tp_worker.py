@@ -4,7 +4,9 @@
 by transformers' tensor-parallel plan and runs :class:`PagedEngine` on it with a pool small
 enough to preempt and prefix caching on: greedy with two branches per prompt, requests sharing
 a system prompt, seeded sampling with two branches, unseeded sampling, beam search; then
-seeded sampling again on an engine that preempts by swapping. After every step it checks that
+seeded sampling again on an engine that preempts by swapping, and greedy again with a step
+budget of 8 tokens (prompts prefilled in chunks beside running decodes). Cascade decode is
+on for every shared block (``MIN_SAVED_TOKENS = 0``). After every step it checks that
 all ranks scheduled the same step and got bitwise identical logits. Writes
 ``OUT_DIR/rank<r>.json``; rank 0 also writes the single-process references (transformers'
 ``generate`` of the unsharded model for greedy, one process's engine on it for sampling and
@@ -105,7 +107,9 @@ def main(model_dir: str, bad_dir: str, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from paged_ops.engine import PagedEngine
+    from paged_ops.engine import cascade as cascade_mod
 
+    cascade_mod.MIN_SAVED_TOKENS = 0  # the prompts are short: cascade every shared block
     prompts, shared = _prompts()
     model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
     check = _StepCheck()
@@ -125,7 +129,7 @@ def main(model_dir: str, bad_dir: str, out_dir: str) -> None:
     st = engine.stats
     out["greedy_stats"] = {"preemptions": st.preemptions, "cow_copies": st.cow_copies,
                            "forks": st.forks, "cached_prompt_tokens": st.cached_prompt_tokens,
-                           "steps": st.steps}
+                           "steps": st.steps, "cascade_steps": st.cascade_steps}
     out["shared"] = [b[0] for b in engine.generate(shared, SHARED_MAX_NEW)]
     out["shared_cached_prompt_tokens"] = engine.stats.cached_prompt_tokens
     sampled, beam = _params()
@@ -141,6 +145,10 @@ def main(model_dir: str, bad_dir: str, out_dir: str) -> None:
     sampled.seed = 11
     out["swapped"] = swapping.generate(prompts, params=sampled)
     out["swap_preemptions"] = swapping.stats.swap_preemptions
+    chunked = PagedEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                          max_num_batched_tokens=8, step_callback=check)
+    out["chunked"] = chunked.generate(prompts, MAX_NEW)
+    out["chunked_mixed_steps"] = chunked.stats.mixed_steps
     out["steps_checked"] = check.steps
     out["schedule_mismatches"] = check.schedule_mismatches
     out["logit_mismatches"] = check.logit_mismatches

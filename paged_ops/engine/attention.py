@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .cascade import cascade_attention
 from .fp8 import FP8_DTYPES, calibrate_scales
 
 #: Name under which the paged attention function is registered with transformers.
@@ -25,6 +26,8 @@ class StepContext:
     ``k_scales``/``v_scales``: one fp32 one-element scale tensor per layer for fp8 caches
     (``None`` otherwise); ``calibrate``: set each layer's scales from this step's keys/values
     before writing them (fp8 with ``kv_scale="auto"``, first forward pass only).
+    ``cascade``: a :class:`~paged_ops.engine.cascade.CascadePlan` with device tensors (decode
+    steps whose sequences share blocks, ``PagedEngine(cascade=True)``), else ``None``.
     ``is_prefill`` says whether the step computes prompt positions (informational);
     ``positions`` and ``segments`` are accepted and not read (every step attends over the
     paged cache, so no packed-sequence mask is built).
@@ -32,11 +35,12 @@ class StepContext:
 
     __slots__ = ("is_prefill", "key_caches", "value_caches", "slot_mapping", "block_tables",
                  "seq_lens", "positions", "segments", "query_start_loc", "gather", "k_scales",
-                 "v_scales", "calibrate", "scale_target")
+                 "v_scales", "calibrate", "scale_target", "cascade")
 
     def __init__(self, is_prefill, key_caches, value_caches, slot_mapping, block_tables=None,
                  seq_lens=None, positions=None, segments=None, query_start_loc=None,
-                 gather=None, k_scales=None, v_scales=None, calibrate=False, scale_target=1.0):
+                 gather=None, k_scales=None, v_scales=None, calibrate=False, scale_target=1.0,
+                 cascade=None):
         self.is_prefill = is_prefill
         self.key_caches = key_caches
         self.value_caches = value_caches
@@ -51,6 +55,7 @@ class StepContext:
         self.v_scales = v_scales
         self.calibrate = calibrate
         self.scale_target = scale_target
+        self.cascade = cascade
 
 
 def _gathered_attention(query, key_cache, value_cache, seqs, scale, window, softcap, k_scale,
@@ -109,7 +114,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer ``module.layer_idx``'s paged cache, then attends over the cache with
     ``torch.ops.paged.attention``: one query row per sequence (decode form) or, with
     ``paged_ctx.query_start_loc``, several causal rows per sequence (prompt chunks, mixed
-    with decode rows). The layer's ``sliding_window`` and ``softcap`` (Gemma 2 style logit
+    with decode rows). Decode steps with a ``paged_ctx.cascade`` attend the blocks their
+    sequences share once per group (:mod:`paged_ops.engine.cascade`). The layer's ``sliding_window`` and ``softcap`` (Gemma 2 style logit
     soft capping) go to the op; fp8 caches get ``paged_ctx``'s per-layer scales. Without
     ``paged_ctx`` (the model called outside the engine, e.g. by ``model.generate``) it falls
     back to transformers' SDPA attention. Attention sinks (``s_aux``) are not supported.
@@ -140,7 +146,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     torch.ops.paged.reshape_and_cache(k_tok, v_tok, key_cache, value_cache, ctx.slot_mapping,
                                       k_scale, v_scale)
     q_tok = query.transpose(1, 2).reshape(b * q_len, h, d).contiguous()
-    if ctx.gather is not None:
+    if ctx.cascade is not None and window <= 0:
+        # A window would be measured from the shifted positions of the cascade's parts.
+        out = cascade_attention(q_tok, key_cache, value_cache, ctx.cascade, scale, cap,
+                                k_scale, v_scale)
+    elif ctx.gather is not None:
         out = _gathered_attention(q_tok, key_cache, value_cache, ctx.gather, scale, window,
                                   cap, k_scale, v_scale)
     else:

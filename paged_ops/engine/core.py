@@ -57,6 +57,11 @@ class PagedEngine:
             sequences' decode rows (one token each) come first and always run, prompt chunks
             fill the rest. A prompt longer than what is left is prefilled in chunks over
             several steps, while the running sequences keep decoding (chunked prefill).
+        max_prefill_tokens_with_decodes: the most prompt tokens of a step that also runs
+            decode rows (``None``: what the budget leaves). A mixed step's time grows with
+            its prompt tokens, so a small value keeps the running sequences' inter-token
+            latency even while long prompts prefill, at the cost of a later first token for
+            those prompts; steps without decode rows still take the whole budget.
         watermark: fraction of the pool kept free when admitting a request while others run
             (headroom for their growth, fewer preemptions right after admission).
         compile: ``True`` wraps the model forward in ``torch.compile(dynamic=True)`` for every
@@ -93,6 +98,13 @@ class PagedEngine:
         max_waiting_requests: most requests waiting for admission (new ones, and running
             ones preempted by recompute); :meth:`add_request` beyond it raises
             :class:`EngineOverloaded` (``None``: no limit).
+        cascade: in decode steps, attend the blocks that several sequences share (the
+            prompt of ``n`` branches or beams, prefix-cache hits common to several requests)
+            once per group instead of once per sequence, merging the partial attentions
+            exactly (:mod:`paged_ops.engine.cascade`): tokens are unchanged up to fp32
+            rounding. Layers with a sliding window, compiled steps and groups that would
+            save fewer than ``cascade.MIN_SAVED_TOKENS`` token reads take the plain path.
+            ``stats.cascade_steps`` counts the steps that used it.
 
     The pool is sized in blocks; :attr:`kv_bytes_per_block` gives the bytes one block takes
     over all layers (keys and values).
@@ -107,7 +119,8 @@ class PagedEngine:
                  enable_prefix_caching: bool = False,
                  kv_cache_dtype: torch.dtype | None = None,
                  kv_scale: float | tuple[float, float] | str = "auto",
-                 max_waiting_requests: int | None = None):
+                 max_waiting_requests: int | None = None, cascade: bool = True,
+                 max_prefill_tokens_with_decodes: int | None = None):
         if preemption_mode is None:
             preemption_mode = "swap" if num_cpu_blocks > 0 else "recompute"
         if preemption_mode not in ("recompute", "swap"):
@@ -117,6 +130,11 @@ class PagedEngine:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if max_prefill_tokens_with_decodes is not None and (
+                not isinstance(max_prefill_tokens_with_decodes, int)
+                or max_prefill_tokens_with_decodes < 1):
+            raise ValueError(f"max_prefill_tokens_with_decodes must be an int >= 1 or None, "
+                             f"got {max_prefill_tokens_with_decodes!r}")
         self.model = model
         self.config = config = model.config
         self.num_layers = int(config.num_hidden_layers)
@@ -181,7 +199,7 @@ class PagedEngine:
             num_blocks=self.num_blocks, num_cpu_blocks=self.num_cpu_blocks,
             kv_cache_dtype=kv_cache_dtype, device=self.device, dtype=self.dtype,
             num_heads=self.num_heads, compile=compile, k_scales=k_scales, v_scales=v_scales,
-            calibrate=calibrate, scale_target=scale_target)
+            calibrate=calibrate, scale_target=scale_target, cascade=bool(cascade))
         # fp8: one key and one value scale per layer (calibrated on the first forward pass).
         self.k_scales, self.v_scales = k_scales, v_scales
         self.key_caches, self.value_caches = self.runner.key_caches, self.runner.value_caches
@@ -198,7 +216,8 @@ class PagedEngine:
             self.block_manager, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             watermark_blocks=self.watermark_blocks, preemption_mode=preemption_mode,
-            enable_prefix_caching=self.enable_prefix_caching, num_blocks=self.num_blocks)
+            enable_prefix_caching=self.enable_prefix_caching, num_blocks=self.num_blocks,
+            max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes)
         self._next_seq_id = 0
         self._next_request_id = 0
         self._requests: dict[int, Request] = {}

@@ -17,6 +17,8 @@ import torch
 from .._api import allocate_kv_cache, copy_blocks, swap_blocks
 from ..block_manager import BlockManager
 from .attention import StepContext
+from . import cascade as _cascade
+from .cascade import CascadePlan, plan_cascade
 from .scheduler import SchedulerOutput
 
 
@@ -46,7 +48,7 @@ class ModelRunner:
     ``key_caches``/``value_caches``: one pair per layer on the model's device; with a swap pool
     ``cpu_key_caches``/``cpu_value_caches`` too. ``k_scales``/``v_scales``: fp8 scales per
     layer (``None`` otherwise); ``calibrate``: the next forward pass sets them from its
-    keys/values (once). ``compile``: as :class:`PagedEngine`'s argument. ``native_multi_token``:
+    keys/values (once). ``compile``, ``cascade``: as :class:`PagedEngine`'s arguments. ``native_multi_token``:
     whether the op takes ``query_start_loc`` on the model's device (else steps with several
     rows per sequence attend through a gathered plain-torch fallback, eagerly).
     """
@@ -55,13 +57,15 @@ class ModelRunner:
                  num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  num_cpu_blocks: int, kv_cache_dtype: torch.dtype, device, dtype,
                  num_heads: int, compile, k_scales, v_scales, calibrate: bool,
-                 scale_target: float):
+                 scale_target: float, cascade: bool = True):
         self.model = model
         self.block_manager = block_manager
         self.device = device
         self.k_scales, self.v_scales = k_scales, v_scales
         self.calibrate = calibrate
         self.scale_target = scale_target
+        self.cascade = cascade
+        self.block_size = block_size
         self.key_caches: list[torch.Tensor] = []
         self.value_caches: list[torch.Tensor] = []
         for _ in range(num_layers):
@@ -219,6 +223,15 @@ class ModelRunner:
             # No sequence completes: the model still runs (it writes the cache); one row of
             # logits is computed and dropped.
             last = torch.zeros(2 if compiled else 1, dtype=torch.long)
+        cascade = None
+        if decode and self.cascade and not compiled:
+            plan = plan_cascade(tables, seq_lens, self.block_size, _cascade.MIN_SAVED_TOKENS)
+            if plan is not None:
+                cascade = CascadePlan(
+                    *(_own(getattr(plan, f), dev) for f in (
+                        "rows", "shared_qsl", "shared_tables", "shared_lens", "suffix_tables",
+                        "suffix_lens")), saved_tokens=plan.saved_tokens)
+                sched.cascade_saved_tokens = plan.saved_tokens
         input_ids = _own(torch.tensor(tokens, dtype=torch.long).view(1, -1), dev)
         position_ids = _own(torch.tensor(positions, dtype=torch.long).view(1, -1), dev)
         ctx = StepContext(sched.kind != "decode", self.key_caches, self.value_caches,
@@ -226,7 +239,7 @@ class ModelRunner:
                           block_tables=_own(tables, dev),
                           seq_lens=_own(torch.tensor(seq_lens, dtype=torch.int32), dev),
                           query_start_loc=None if qsl is None else _own(qsl, dev),
-                          gather=gather, **self._scale_kwargs())
+                          gather=gather, cascade=cascade, **self._scale_kwargs())
         if self.calibrate:
             # Calibrating writes the scales in place: run that one step eagerly.
             logits = self._forward(input_ids, position_ids, _own(last, dev), ctx)

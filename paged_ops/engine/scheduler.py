@@ -10,7 +10,10 @@ in this order:
    most recently admitted group is preempted (its blocks swapped to the CPU pool, or freed and
    the group requeued at the front of the waiting queue to be recomputed) until they fit;
 3. running sequences part way through their prefill get their next chunk, as long as the
-   budget lasts;
+   budget lasts (in a step with decode rows, at most ``max_prefill_tokens_with_decodes``
+   prompt tokens in all, when set: a mixed step then costs a bounded multiple of a decode
+   step, so the running sequences' inter-token latency stays even while long prompts
+   prefill);
 4. waiting groups are admitted first come first served (not while a group is swapped out)
    while the seats (``max_num_seqs``), the pool (whole prompts, minus a watermark of headroom
    when others run) and the budget allow; each gets a first chunk of its prompt.
@@ -70,6 +73,7 @@ class SchedulerOutput:
     groups: list[SeqGroup] = field(default_factory=list)
     block_ops: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
     cached_tokens: int = 0
+    cascade_saved_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -108,8 +112,10 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, watermark_blocks: int, preemption_mode: str,
-                 enable_prefix_caching: bool, num_blocks: int):
+                 enable_prefix_caching: bool, num_blocks: int,
+                 max_prefill_tokens_with_decodes: int | None = None):
         self.block_manager = block_manager
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = watermark_blocks
@@ -227,6 +233,8 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(b, n - 1, n, True, n <= b.prefill_len))
         out.groups.extend(decoding)
         budget = self.max_num_batched_tokens - len(branches)
+        if branches and self.max_prefill_tokens_with_decodes is not None:
+            budget = min(budget, self.max_prefill_tokens_with_decodes)
 
         # Prompt chunks of the running sequences part way through their prefill.
         scheduled = {id(g) for g in decoding}

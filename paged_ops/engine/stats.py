@@ -62,7 +62,9 @@ class EngineStats:
     the running sequences would have held without sharing; ``peak_beam_blocks``: most blocks
     held by beam groups at one step, and ``peak_beam_unshared_blocks`` what their beams would
     have held as independent sequences at that step. ``aborted_requests``: :meth:`abort` ed;
-    ``rejected_requests``: refused by ``max_waiting_requests``.
+    ``rejected_requests``: refused by ``max_waiting_requests``. ``cascade_steps``: decode
+    steps that attended shared blocks once per group of sequences (``cascade=True``);
+    ``cascade_saved_tokens``: the token reads (per kv head and layer) they saved.
 
     ``prefill_tokens``: prefill positions computed (prompts, and prompt + generated tokens of
     sequences readmitted after a recompute preemption), in whichever steps their chunks ran;
@@ -98,6 +100,8 @@ class EngineStats:
     peak_beam_unshared_blocks: int = 0
     aborted_requests: int = 0
     rejected_requests: int = 0
+    cascade_steps: int = 0
+    cascade_saved_tokens: int = 0
     elapsed_s: float = 0.0
     timeline: list[StepRecord] = field(default_factory=list)
 
@@ -152,6 +156,9 @@ class StatsCollector:
         prefill = sched.num_prefill_tokens
         st.prefill_tokens += prefill
         st.cached_prompt_tokens += sched.cached_tokens
+        if sched.cascade_saved_tokens:
+            st.cascade_steps += 1
+            st.cascade_saved_tokens += sched.cascade_saved_tokens
         contiguous = unshared = beam_blocks = beam_unshared = 0
         for g in scheduler.running:
             p = g.request.params
