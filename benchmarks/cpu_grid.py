@@ -10,7 +10,8 @@ bandwidth (torch.sum over the same amount) is timed in the same rounds.
         --dtypes bf16,fp8_e4m3 --block-sizes 16,128 --shapes 8x2048
 
 --kernels: names of the package's builds (paged_ops.supported_cpu_kernel_variants()), "selected"
-(the builds chosen at import, by block size) or
+(the builds chosen at import, by block size, with the plan file's tuned plans), "rules" (the
+same builds without any plan: the kernel's own rules) or
 name=path of another kernel library (a build of another revision, e.g. by ab_kernels.py).
 Prints GB/s (K and V read once per call), its share of the read bandwidth and of the roofline,
 and each kernel's time relative to the first kernel's. The roofline is min(read bandwidth, FMA
@@ -60,8 +61,11 @@ SELECTION = paged_ops._selection
 
 
 def use(kernel):
-    if kernel == "selected":  # the builds chosen at import (two on AVX-512 CPUs, by block size)
+    if kernel in ("selected", "rules"):  # the builds chosen at import (by block size)
         paged_ops._set_selection(SELECTION)
+        paged_ops._install_plans()  # the plan file's plans
+        if kernel == "rules":
+            paged_ops._plans.install(paged_ops._C_LIB, [])
     elif isinstance(kernel, str):
         paged_ops.set_cpu_kernel_variant(kernel)
     else:

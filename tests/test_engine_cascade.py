@@ -172,6 +172,18 @@ def test_greedy_branches_with_cascade(setup, always_cascade):
     assert engine.stats.cascade_steps > 0
 
 
+def test_more_branches_than_shared_positions(setup, always_cascade):
+    """12 branches of a 9-token prompt share one block of 8 positions: the group's 12 rows
+    attend it at once (non-causal rows may outnumber the positions)."""
+    model, _ = setup
+    prompt = list(range(10, 19))
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5, n=12)
+    got = PagedEngine(model, num_blocks=96, block_size=8).generate([prompt], params=params)
+    plain = PagedEngine(model, num_blocks=96, block_size=8, cascade=False)
+    assert got == plain.generate([prompt], params=params)
+    assert len({tuple(b) for b in got[0]}) > 1
+
+
 def test_default_threshold_skips_tiny_groups(setup):
     """With the default MIN_SAVED_TOKENS the tiny prompts save too little to cascade."""
     model, prompts = setup
