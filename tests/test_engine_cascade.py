@@ -67,6 +67,10 @@ def test_small_savings_are_not_cascaded():
     rows = [[0, 1, 5], [0, 1, 6]]
     assert _plan(rows, [11, 11], min_saved=9)[1] is None
     assert _plan(rows, [11, 11], min_saved=8)[1] is not None
+    # The threshold is on the step's total: two groups saving 8 each pass 16, not 17.
+    rows = [[0, 1, 5], [0, 1, 6], [2, 3, 7], [2, 3, 8]]
+    assert _plan(rows, [11] * 4, min_saved=16)[1].shared_qsl.tolist() == [0, 2, 4]
+    assert _plan(rows, [11] * 4, min_saved=17)[1] is None
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

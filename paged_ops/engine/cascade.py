@@ -26,10 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-#: A group is cascaded only when it saves at least this many token reads per kv head and
-#: layer (``(members - 1) * shared tokens``): below it the two extra calls and the merge cost
-#: more than the reads they save.
-MIN_SAVED_TOKENS = 256
+#: A step is cascaded only when its groups save at least this many token reads per kv head
+#: and layer in all (``sum of (members - 1) * shared tokens``). The shared call costs about
+#: as much arithmetic per query row as a decode row (its rows are not batched any better by
+#: the CPU kernel), so the cascade gains only where the reads it saves bound the plain step:
+#: on a 2-core Xeon (bench_cascade.py, head size 64, GQA 4) at about 57k saved token reads
+#: per step (4 requests x 8 branches of 2048 tokens: fp32 1.23x, bf16 1.02x), and not at
+#: 31k and below (1 x 16, 4 x 4: bf16 0.96-0.97x).
+MIN_SAVED_TOKENS = 32768
 
 
 @dataclass
@@ -57,8 +61,8 @@ def plan_cascade(tables: torch.Tensor, seq_lens: list[int], block_size: int,
                  min_saved_tokens: int) -> CascadePlan | None:
     """The cascade of a decode step over ``tables`` (int32 ``[S, width]``, host) and
     ``seq_lens`` (each sequence's length including its decode row), or ``None`` when no group
-    of two or more sequences shares a full block worth cascading (saving at least
-    ``min_saved_tokens`` token reads).
+    of two or more sequences shares a full block, or the groups save fewer than
+    ``min_saved_tokens`` token reads in all.
 
     A sequence's shareable blocks are its full blocks before the one its decode row writes:
     columns ``0 .. (L - 1) // block_size - 1``. Each sequence joins the group of the deepest
@@ -93,9 +97,9 @@ def plan_cascade(tables: torch.Tensor, seq_lens: list[int], block_size: int,
     for i in range(S):
         if depth[i] >= 1:
             groups.setdefault((depth[i], int(tables[i, depth[i] - 1])), []).append(i)
-    chosen = [(d, idx) for (d, _), idx in groups.items()
-              if len(idx) > 1 and (len(idx) - 1) * d * block_size >= min_saved_tokens]
-    if not chosen:
+    chosen = [(d, idx) for (d, _), idx in groups.items() if len(idx) > 1]
+    if not chosen or sum((len(idx) - 1) * d * block_size
+                         for d, idx in chosen) < min_saved_tokens:
         return None
     rows: list[int] = []
     qsl = [0]

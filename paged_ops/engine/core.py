@@ -101,9 +101,10 @@ class PagedEngine:
         cascade: in decode steps, attend the blocks that several sequences share (the
             prompt of ``n`` branches or beams, prefix-cache hits common to several requests)
             once per group instead of once per sequence, merging the partial attentions
-            exactly (:mod:`paged_ops.engine.cascade`): tokens are unchanged up to fp32
-            rounding. Layers with a sliding window, compiled steps and groups that would
-            save fewer than ``cascade.MIN_SAVED_TOKENS`` token reads take the plain path.
+            exactly (:mod:`paged_ops.engine.cascade`): tokens are unchanged up to rounding
+            (fp32 math; partial outputs in the model's dtype). Layers with a sliding window,
+            compiled steps and steps whose groups save fewer than
+            ``cascade.MIN_SAVED_TOKENS`` token reads in all take the plain path.
             ``stats.cascade_steps`` counts the steps that used it.
 
     The pool is sized in blocks; :attr:`kv_bytes_per_block` gives the bytes one block takes
