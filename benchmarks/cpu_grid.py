@@ -13,8 +13,10 @@ bandwidth (torch.sum over the same amount) is timed in the same rounds.
 (the builds chosen at import, by block size, with the plan file's tuned plans), "rules" (the
 same builds without any plan: the kernel's own rules) or
 name=path of another kernel library (a build of another revision, e.g. by ab_kernels.py).
-Prints GB/s (K and V read once per call), its share of the read bandwidth and of the roofline,
-and each kernel's time relative to the first kernel's. The roofline is min(read bandwidth, FMA
+All block sizes of a shape and cache dtype are timed in the same rounds. Prints GB/s (K and V
+read once per call), its share of the read bandwidth and of the roofline, each kernel's time
+relative to the first kernel's, and its time relative to its best block size of the dtype
+("of best bs"). The roofline is min(read bandwidth, FMA
 rate x cache bytes per flop of the call), the FMA rate an fp32 GEMM timed in the same rounds
 (paged_ops.tune.gemm_gflops): a cell where the CPU is compute-bound shows as one.
 """
@@ -106,12 +108,15 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         B, L = map(int, shape.split("x"))
         for dn in args.dtypes.split(","):
+            # Every block size of the dtype is timed in the same rounds: a shared host's memory
+            # bandwidth drifts over seconds, so only cells timed side by side compare.
+            cells = []
             for bs in map(int, args.block_sizes.split(",")):
                 q, caches, bt, sl, nbytes = layers(B, L, H, Hkv, D, bs, CACHE[dn], args.gib)
                 out = torch.empty_like(q)
                 ks, vs = ba.kv_scales(caches[0][0])
 
-                def call(i, caches=caches):
+                def call(i, caches=caches, q=q, out=out, bt=bt, sl=sl, ks=ks, vs=vs):
                     kc, vc = caches[i % len(caches)]
                     torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, D**-0.5, None, -1,
                                                   0.0, ks, vs, L)
@@ -122,21 +127,25 @@ def main(argv=None):
                     call(i)
                 per_call = (time.perf_counter() - t0) / len(caches)
                 n_calls = max(len(caches), round(args.min_time / per_call))
-                times = {name: [] for name, _ in kernels}
-                bw, gf = [], []
-                for r in range(args.reps):
-                    t0 = time.perf_counter()
-                    big.sum()
-                    bw.append(big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-                    gf.append(gemm_gflops(min_time=0.02))
+                cells.append((bs, call, n_calls, nbytes, {name: [] for name, _ in kernels}))
+            bw, gf = [], []
+            for r in range(args.reps):
+                t0 = time.perf_counter()
+                big.sum()
+                bw.append(big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+                gf.append(gemm_gflops(min_time=0.02))
+                for bs, call, n_calls, nbytes, times in cells if r % 2 == 0 else cells[::-1]:
                     for name, k in kernels if r % 2 == 0 else kernels[::-1]:
                         use(k)
                         t0 = time.perf_counter()
                         for i in range(n_calls):
                             call(i)
                         times[name].append((time.perf_counter() - t0) / n_calls)
-                gbw = statistics.median(bw)
-                roof = roofline_gbs(gbw, statistics.median(gf), CACHE[dn], H // Hkv)
+            gbw = statistics.median(bw)
+            roof = roofline_gbs(gbw, statistics.median(gf), CACHE[dn], H // Hkv)
+            best = {name: min(statistics.median(c[4][name]) for c in cells)
+                    for name, _ in kernels}
+            for bs, call, n_calls, nbytes, times in cells:
                 base = statistics.median(times[kernels[0][0]])
                 line = (f"B={B:<3d} L={L:<5d} {dn:8s} bs {bs:3d} bw {gbw:5.1f} "
                         f"gemm {statistics.median(gf):5.1f} roof {roof:5.1f} |")
@@ -144,9 +153,10 @@ def main(argv=None):
                     t = statistics.median(times[name])
                     line += (f" {name} {t * 1e3:6.2f} ms {nbytes / t / 1e9:5.1f} GB/s "
                              f"{100 * nbytes / t / 1e9 / gbw:3.0f}% bw "
-                             f"{100 * nbytes / t / 1e9 / roof:3.0f}% roof {base / t:4.2f}x |")
+                             f"{100 * nbytes / t / 1e9 / roof:3.0f}% roof {base / t:4.2f}x "
+                             f"{t / best[name]:4.2f} of best bs |")
                 print(line, flush=True)
-                del caches
+            del cells
     use(before)
 
 

@@ -269,11 +269,11 @@ def _install_plans() -> None:
     _installed = {key: p for key, (p, _) in installed.items()}
 
 
-def _add_plans(plans: list) -> None:
-    """Adds plans tuned in this process (they replace those of the same build and key) and
-    installs them."""
+def _add_plans(plans: list, drop=()) -> None:
+    """Adds plans tuned in this process (they replace those of the same build and key, as do
+    the (build, key) pairs of ``drop``) and installs them."""
     global _plan_list
-    ids = {(p["build"], p["key"]) for p in plans}
+    ids = {(p["build"], p["key"]) for p in plans} | set(drop)
     _plan_list = [p for p in _plan_list if (p["build"], p["key"]) not in ids] + [
         dict(p, source="tuned") for p in plans]
     _install_plans()

@@ -324,9 +324,10 @@ def _locked(path: str):
         yield
 
 
-def save(lib, plans: list[dict], path: str | None = None) -> str:
+def save(lib, plans: list[dict], path: str | None = None, drop=()) -> str:
     """Merges ``plans`` (one per build and key; they replace this machine's plans of the same
-    build and key) into the plan file, atomically: a temporary file renamed over it, under a
+    build and key, as do the (build, key) pairs of ``drop``: those a tuner raced) into the plan
+    file, atomically: a temporary file renamed over it, under a
     lock, so that concurrent tuners leave a valid file holding both their plans. An unusable
     file is replaced. Returns the path; OSError when it cannot be written."""
     path = path or cache_path()
@@ -344,7 +345,7 @@ def save(lib, plans: list[dict], path: str | None = None) -> str:
             old = plans_for({"machines": {mkey: machines[mkey]}}, m) if mkey in machines else []
         except PlanFileError:
             old = []
-        new_ids = {(p["build"], p["key"]) for p in plans}
+        new_ids = {(p["build"], p["key"]) for p in plans} | set(drop)
         merged = [p for p in old if (p["build"], p["key"]) not in new_ids] + list(plans)
         merged.sort(key=lambda p: (DTYPE_NAMES[p["key"][1]], p["key"][2], p["key"][3],
                                    p["key"][4], DTYPE_NAMES[p["key"][0]], p["build"]))

@@ -9,9 +9,12 @@ fastest to the plan file (paged_ops.plan_cache_path()), which import reads.
 
 The candidates of a key are raced in stages, each against the best so far (the rules first):
 the builds this CPU runs (with the rules' paths), the q.k x p.v paths open to the key on the
-winning build, the blocks per softmax step, then no prefetching. Every stage interleaves its
-candidates in rounds (every other round in reverse order) and takes medians; a candidate
-replaces the best so far only when 2% faster. The calls are decode steps (--batch sequences
+winning build, the blocks per softmax step, then no prefetching; last, the winner races the
+rules once more, in twice the rounds, and is kept only if it wins again. Every race interleaves
+its candidates in rounds (every other round in reverse order) and compares each candidate with
+the best so far round by round: a candidate replaces it only when the median of its per-round
+time ratios is 3% below and it is faster in most rounds. Memory bandwidth on a shared host
+drifts over seconds, so only times taken in the same round are compared. The calls are decode steps (--batch sequences
 of --context tokens) whose caches are cycled over layer copies totalling --gib GiB, so K and V
 come from DRAM, as in a model. The table printed per key gives each candidate's time, GB/s
 (K and V read once per call) and share of the roofline: min(read bandwidth, fp32 GEMM rate x
@@ -32,7 +35,8 @@ import paged_ops
 from paged_ops import _plans
 
 CACHE_DTYPES = dict(_plans.DTYPES_BY_NAME)
-MARGIN = 0.98  # a candidate replaces the best so far when its median is below this share
+MARGIN = 0.97  # a candidate replaces the best so far when its median per-round time ratio
+#                to it is below this
 
 
 # --- Roofline --------------------------------------------------------------------------------
@@ -176,9 +180,12 @@ def _dedupe(cands):
 
 def _race(w: Workload, cands, rounds: int, calls: int, incumbent: Candidate):
     """Times the candidates (the incumbent among them) in interleaved rounds; returns the
-    winner: the fastest median where MARGIN below the incumbent's, else the incumbent."""
+    winner: the candidate with the lowest median per-round time ratio to the incumbent where
+    that median is below MARGIN and the candidate is faster in most rounds, else the
+    incumbent. Every candidate's times are this race's only."""
     key = w.key
     for c in cands:  # warm: the threads' scratch grows on a first call
+        c.times = []
         _plans.install(paged_ops._C_LIB, [(key, c.table, c.knobs)])
         w.call()
     for r in range(rounds):
@@ -188,15 +195,23 @@ def _race(w: Workload, cands, rounds: int, calls: int, incumbent: Candidate):
             for _ in range(calls):
                 w.call()
             c.times.append((time.perf_counter() - t0) / calls)
-    best = min(cands, key=Candidate.median)
-    return best if best.median() < MARGIN * incumbent.median() else incumbent
+    best, best_ratio = incumbent, 1.0
+    for c in cands:
+        if c is incumbent:
+            continue
+        ratios = [a / b for a, b in zip(c.times, incumbent.times)]
+        ratio = statistics.median(ratios)
+        if ratio < MARGIN and 2 * sum(x < 1 for x in ratios) > len(ratios) and ratio < best_ratio:
+            best, best_ratio = c, ratio
+    return best
 
 
 def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds: int,
              calls: int):
-    """Races the candidates of ``key``; returns (plans: one per build raced, the best knobs
-    found for it; every candidate timed, in the order raced; the rules' candidate; the
-    winner)."""
+    """Races the candidates of ``key``; returns (plans: the winner's, one; every candidate
+    timed, in the order raced; the rules' candidate; the winner). Only the winner is written:
+    times from different races are not comparable, so a plan's time per call says nothing
+    about another build's."""
     w.set_key(key, num_heads, num_kv_heads)
     rules_build = paged_ops.cpu_kernel_variant(key[2], key[1])
     rules = _candidate(rules_build, key, None)
@@ -211,11 +226,8 @@ def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds
         if b == "avx512_amx" and "amx" not in c.d["qk_valid"]:
             continue
         stage.append(c)
-    best_of_build = {}
     winner = _race(w, stage, rounds, calls, rules)
     timed += stage
-    for c in stage:
-        best_of_build[c.build] = c
     # Stage 2: the q.k x p.v paths open to the key on the winning build.
     b = winner.build
     stage = [winner]
@@ -241,11 +253,11 @@ def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds
     c = _candidate(b, key, dict(forced, prefetch=False))
     winner = _race(w, [winner, c], rounds, calls, winner)
     timed.append(c)
-    best_of_build[b] = winner
-    plans = []
-    for build, c in best_of_build.items():
-        plans.append({"key": key, "build": build, "knobs": c.knobs, "us": c.median() * 1e6,
-                      "rules_us": rules.median() * 1e6})
+    # The winner races the rules once more; where it loses, the plan is the rules'.
+    if winner is not rules:
+        winner = _race(w, [rules, winner], 2 * rounds, calls, rules)
+    plans = [{"key": key, "build": winner.build, "knobs": winner.knobs,
+              "us": winner.median() * 1e6, "rules_us": rules.median() * 1e6}]
     return plans, timed, rules, winner
 
 
@@ -264,11 +276,12 @@ def autotune_key(key, num_heads: int, num_kv_heads: int, gib: float = 0.5) -> No
         plans, *_ = tune_key(w, key, num_heads, num_kv_heads, builds, rounds=3, calls=2)
     finally:
         paged_ops._install_plans()
+    drop = [(b, key) for b in builds]
     try:
-        _plans.save(paged_ops._C_LIB, plans)
+        _plans.save(paged_ops._C_LIB, plans, drop=drop)
     except OSError as e:
         _plans.warn_once(f"cannot write the plan file {_plans.cache_path()} ({e})")
-    paged_ops._add_plans(plans)
+    paged_ops._add_plans(plans, drop)
 
 
 def _default_builds():
@@ -293,7 +306,7 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--gib", type=float, default=None,
                    help="GiB of layer copies the caches cycle over (default 1, --quick 0.25)")
-    p.add_argument("--rounds", type=int, default=None, help="default 3, --quick 2")
+    p.add_argument("--rounds", type=int, default=None, help="default 5, --quick 2")
     p.add_argument("--calls", type=int, default=None,
                    help="calls per timing (default 3, --quick 2)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -316,7 +329,7 @@ def main(argv=None) -> list:
     if a.threads:
         torch.set_num_threads(a.threads)
     gib = a.gib if a.gib is not None else (0.25 if a.quick else 1.0)
-    rounds = a.rounds or (2 if a.quick else 3)
+    rounds = a.rounds or (2 if a.quick else 5)
     calls = a.calls or (2 if a.quick else 3)
     supported = paged_ops.supported_cpu_kernel_variants()
     builds = a.builds.split(",") if a.builds else _default_builds()
@@ -380,12 +393,13 @@ def main(argv=None) -> list:
         print("dry run: nothing written")
         return all_plans
     path = a.output or _plans.cache_path()
+    drop = [(b, key) for b in builds for key in keys]  # the raced builds' older plans
     try:
-        _plans.save(paged_ops._C_LIB, all_plans, path)
+        _plans.save(paged_ops._C_LIB, all_plans, path, drop)
     except OSError as e:
         sys.exit(f"cannot write the plan file {path}: {e}")
     if path == _plans.cache_path():
-        paged_ops._add_plans(all_plans)
+        paged_ops._add_plans(all_plans, drop)
     print(f"wrote {len(all_plans)} plans to {path}")
     return all_plans
 

@@ -420,6 +420,27 @@ def test_tuner_quick_writes_a_valid_plan_file(tmp_path, capsys):
         torch.testing.assert_close(res.float(), want, **TOL[dt])
 
 
+def test_tuner_writes_one_plan_per_key_replacing_older_plans_of_the_builds_raced(tmp_path):
+    """Times from different races are not comparable, so a re-tune leaves no older plan of
+    another raced build that could outrank its winner by its recorded time."""
+    out = tmp_path / "plans.json"
+    key = (torch.float32, torch.float32, 16, 64, 2)
+    builds = [b for b in paged_ops.supported_cpu_kernel_variants() if b != "default"] or [
+        "default"]
+    stale = [{"key": key, "build": b, "knobs": _plans.check_knobs({}), "us": 0.001}
+             for b in builds]
+    other = {"key": (torch.float32, torch.float32, 32, 64, 2), "build": builds[0],
+             "knobs": _plans.check_knobs({}), "us": 5.0}
+    _plans.save(LIB, stale + [other], str(out))
+    plans = tune.main(TINY + ["--dtypes", "fp32", "--block-sizes", "16", "--output", str(out)])
+    assert len(plans) == 1
+    got, warned = _load_warnings(out)
+    assert not warned
+    assert [p for p in got if p["key"] == key] == [dict(plans[0], rules_us=pytest.approx(
+        plans[0]["rules_us"], abs=1e-3), us=pytest.approx(plans[0]["us"], abs=1e-3))]
+    assert [p["key"] for p in got if p["key"] != key] == [other["key"]]
+
+
 def test_tuner_cli_runs(tmp_path):
     out = tmp_path / "plans.json"
     res = subprocess.run([sys.executable, "-m", "paged_ops.tune", *TINY, "--dtypes", "bf16",
