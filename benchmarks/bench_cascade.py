@@ -13,6 +13,11 @@ calls are decode. Printed per case:
 - output tokens/s of the whole generate call, median over rounds;
 - the ratios plain / cascade, and whether both produced the same tokens.
 
+Then, per dtype, the arithmetic rates that bound the cascade where the calls are
+compute-bound (caches in the last-level cache): one sequence of --prompt-len keys attended by
+1 decode row and by 8 and 32 non-causal rows (the shared call of a group), in GFLOP/s (q.k and
+p.v, 4 flops per query head, key and head dimension), beside an fp32 GEMM's rate.
+
     python benchmarks/bench_cascade.py --dtypes fp32,bf16 --batches 1,4 --branches 1,2,4,8,16
     python benchmarks/bench_cascade.py --quick   # checks that it runs; numbers mean nothing
 """
@@ -29,6 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import DTYPES, cpu_name, make_model, random_prompts  # noqa: E402
+
+from paged_ops.tune import gemm_gflops  # noqa: E402
 
 
 class AttentionTimer:
@@ -142,6 +149,37 @@ def main() -> None:
                       f"{t_off:.0f} | {t_on:.0f} | {t_on / t_off:.2f} | {same} | {steps} |",
                       flush=True)
         del engine, model
+    print("\n| dtype | query rows | GFLOP/s |\n|---|---|---|")
+    for name in args.dtypes.split(","):
+        for rows in (1, 8, 32):
+            print(f"| {name} | {rows} | {shared_call_gflops(DTYPES[name], rows, args):.0f} |",
+                  flush=True)
+    print(f"| fp32 GEMM 512x512 | | {gemm_gflops():.0f} |")
+
+
+def shared_call_gflops(dtype, rows: int, args, min_time: float = 0.2) -> float:
+    """GFLOP/s of paged attention of ``rows`` query rows (non-causal) over one sequence of
+    --prompt-len keys, the model's heads."""
+    g = torch.Generator().manual_seed(0)
+    D, bs, L = args.hidden // args.heads, args.block_size, args.prompt_len
+    nb, x = -(-L // bs), 16 // dtype.itemsize
+    kc = torch.randn(nb, args.kv_heads, D // x, bs, x, generator=g).to(dtype)
+    vc = torch.randn(nb, args.kv_heads, D, bs, generator=g).to(dtype)
+    bt = torch.arange(nb, dtype=torch.int32)[None]
+    sl = torch.tensor([L], dtype=torch.int32)
+    q = torch.randn(rows, args.heads, D, generator=g).to(dtype)
+    qsl = torch.tensor([0, rows], dtype=torch.int32)
+
+    def call():
+        torch.ops.paged.attention(q, kc, vc, bt, sl, D**-0.5, None, -1, 0.0, None, None, L,
+                                  qsl, False)
+
+    call()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < min_time:
+        call()
+        n += 1
+    return 4 * rows * args.heads * L * D * n / (time.perf_counter() - t0) / 1e9
 
 
 if __name__ == "__main__":
