@@ -33,7 +33,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import DTYPES, cpu_name, make_model, random_prompts  # noqa: E402
+from bench_engine import (  # noqa: E402
+    DTYPES, add_model_args, cpu_name, make_model, random_prompts)
 
 from paged_ops.tune import gemm_gflops  # noqa: E402
 
@@ -94,12 +95,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=1408)
-    ap.add_argument("--vocab", type=int, default=8192)
+    add_model_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.prompt_len, args.max_new, args.rounds = 256, 8, 1

@@ -339,6 +339,13 @@ def online(args) -> None:
           f"{time.perf_counter() - t0:.1f} s")
 
 
+def add_model_args(ap) -> None:
+    """The model's sizes (shared with bench_cascade.py)."""
+    for name, default in (("hidden", 512), ("layers", 8), ("heads", 8), ("kv-heads", 2),
+                          ("intermediate", 1408), ("vocab", 8192)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
@@ -355,12 +362,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=1408)
-    ap.add_argument("--vocab", type=int, default=8192)
+    add_model_args(ap)
     ap.add_argument("--rate", type=float, default=0.5, help="online: requests per second")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--short-len", type=int, default=256)

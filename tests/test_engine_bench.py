@@ -1,6 +1,6 @@
-"""benchmarks/bench_engine.py stays runnable: its --quick offline comparison (engine and
-transformers' generate, fp32) and --quick online mode run in-process, and the engine's tokens
-equal generate's."""
+"""benchmarks/bench_engine.py and bench_cascade.py stay runnable: bench_engine's --quick offline
+comparison (engine and transformers' generate, fp32) and --quick online mode run in-process,
+and the engine's tokens equal generate's; bench_cascade's --quick table and rates."""
 
 from __future__ import annotations
 
@@ -37,3 +37,20 @@ def test_bench_engine_quick_runs(argv, monkeypatch, capsys):
         rows = [line for line in out.splitlines() if line.startswith("| engine")
                 or line.startswith("| generate")]
         assert len(rows) == 2 and all(r.rstrip(" |").endswith("4/4") for r in rows), out
+
+
+def test_bench_cascade_quick_runs(monkeypatch, capsys):
+    """benchmarks/bench_cascade.py --quick: its table, with cascade=True and False giving the
+    same tokens in fp32, and the arithmetic rates after it."""
+    path = os.path.join(ROOT, "benchmarks", "bench_cascade.py")
+    spec = importlib.util.spec_from_file_location("bench_cascade", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["bench_cascade.py", "--quick", "--dtypes", "fp32"])
+    mod.main()
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| fp32 |")]
+    cases = [r for r in rows if r.count("|") == 12]
+    assert len(cases) == 4 and all("| True |" in r for r in cases), out
+    assert "fp32 GEMM" in out and len(rows) - len(cases) == 3, out
