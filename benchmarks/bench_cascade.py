@@ -33,8 +33,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import (  # noqa: E402
-    DTYPES, add_model_args, cpu_name, make_model, random_prompts)
+import bench_attention as ba  # noqa: E402
+from bench_engine import DTYPES, add_model_args, cpu_name, make_model, random_prompts  # noqa: E402
 
 from paged_ops.tune import gemm_gflops  # noqa: E402
 
@@ -156,14 +156,10 @@ def main() -> None:
 def shared_call_gflops(dtype, rows: int, args, min_time: float = 0.2) -> float:
     """GFLOP/s of paged attention of ``rows`` query rows (non-causal) over one sequence of
     --prompt-len keys, the model's heads."""
-    g = torch.Generator().manual_seed(0)
-    D, bs, L = args.hidden // args.heads, args.block_size, args.prompt_len
-    nb, x = -(-L // bs), 16 // dtype.itemsize
-    kc = torch.randn(nb, args.kv_heads, D // x, bs, x, generator=g).to(dtype)
-    vc = torch.randn(nb, args.kv_heads, D, bs, generator=g).to(dtype)
-    bt = torch.arange(nb, dtype=torch.int32)[None]
-    sl = torch.tensor([L], dtype=torch.int32)
-    q = torch.randn(rows, args.heads, D, generator=g).to(dtype)
+    D, L = args.hidden // args.heads, args.prompt_len
+    _, kc, vc, bt, sl = ba.make_case(1, L, args.heads, args.kv_heads, D, args.block_size, dtype,
+                                     "cpu")
+    q = torch.randn(rows, args.heads, D, generator=torch.Generator().manual_seed(0)).to(dtype)
     qsl = torch.tensor([0, rows], dtype=torch.int32)
 
     def call():

@@ -13,12 +13,13 @@ bandwidth (torch.sum over the same amount) is timed in the same rounds.
 (the builds chosen at import, by block size, with the plan file's tuned plans), "rules" (the
 same builds without any plan: the kernel's own rules) or
 name=path of another kernel library (a build of another revision, e.g. by ab_kernels.py).
-All block sizes of a shape and cache dtype are timed in the same rounds. Prints GB/s (K and V
-read once per call), its share of the read bandwidth and of the roofline, each kernel's time
-relative to the first kernel's, and its time relative to its best block size of the dtype
-("of best bs"). The roofline is min(read bandwidth, FMA
-rate x cache bytes per flop of the call), the FMA rate an fp32 GEMM timed in the same rounds
-(paged_ops.tune.gemm_gflops): a cell where the CPU is compute-bound shows as one.
+All block sizes of a shape and cache dtype are timed in the same rounds (their caches, --gib
+GiB each, are held at once). Prints GB/s (K and V read once per call), its share of the read
+bandwidth and of the roofline, each kernel's time relative to the first kernel's, and its
+time relative to its best block size of the dtype ("of best bs"). The roofline is min(read
+bandwidth, FMA rate x cache bytes per flop of the call), the FMA rate an fp32 GEMM timed in
+the same rounds (paged_ops.tune.gemm_gflops): a cell where the CPU is compute-bound shows as
+one.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def main(argv=None):
                 big.sum()
                 bw.append(big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
                 gf.append(gemm_gflops(min_time=0.02))
-                for bs, call, n_calls, nbytes, times in cells if r % 2 == 0 else cells[::-1]:
+                for _bs, call, n_calls, _nbytes, times in cells if r % 2 == 0 else cells[::-1]:
                     for name, k in kernels if r % 2 == 0 else kernels[::-1]:
                         use(k)
                         t0 = time.perf_counter()
@@ -145,7 +146,7 @@ def main(argv=None):
             roof = roofline_gbs(gbw, statistics.median(gf), CACHE[dn], H // Hkv)
             best = {name: min(statistics.median(c[4][name]) for c in cells)
                     for name, _ in kernels}
-            for bs, call, n_calls, nbytes, times in cells:
+            for bs, _call, _n_calls, nbytes, times in cells:
                 base = statistics.median(times[kernels[0][0]])
                 line = (f"B={B:<3d} L={L:<5d} {dn:8s} bs {bs:3d} bw {gbw:5.1f} "
                         f"gemm {statistics.median(gf):5.1f} roof {roof:5.1f} |")

@@ -327,9 +327,9 @@ def _locked(path: str):
 def save(lib, plans: list[dict], path: str | None = None, drop=()) -> str:
     """Merges ``plans`` (one per build and key; they replace this machine's plans of the same
     build and key, as do the (build, key) pairs of ``drop``: those a tuner raced) into the plan
-    file, atomically: a temporary file renamed over it, under a
-    lock, so that concurrent tuners leave a valid file holding both their plans. An unusable
-    file is replaced. Returns the path; OSError when it cannot be written."""
+    file, atomically: a temporary file renamed over it, under a lock, so that concurrent tuners
+    leave a valid file holding both their plans. An unusable file is replaced. Returns the
+    path; OSError when it cannot be written."""
     path = path or cache_path()
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)

@@ -10,15 +10,16 @@ fastest to the plan file (paged_ops.plan_cache_path()), which import reads.
 The candidates of a key are raced in stages, each against the best so far (the rules first):
 the builds this CPU runs (with the rules' paths), the q.k x p.v paths open to the key on the
 winning build, the blocks per softmax step, then no prefetching; last, the winner races the
-rules once more, in twice the rounds, and is kept only if it wins again. Every race interleaves
-its candidates in rounds (every other round in reverse order) and compares each candidate with
-the best so far round by round: a candidate replaces it only when the median of its per-round
-time ratios is 3% below and it is faster in most rounds. Memory bandwidth on a shared host
-drifts over seconds, so only times taken in the same round are compared. The calls are decode steps (--batch sequences
-of --context tokens) whose caches are cycled over layer copies totalling --gib GiB, so K and V
-come from DRAM, as in a model. The table printed per key gives each candidate's time, GB/s
-(K and V read once per call) and share of the roofline: min(read bandwidth, fp32 GEMM rate x
-cache bytes per flop of the call), both measured in the same run.
+rules once more, in twice the rounds, and is kept only if it wins again. Every race
+interleaves its candidates in rounds (every other round in reverse order) and compares each
+candidate with the best so far round by round: a candidate replaces it only when the median
+of its per-round time ratios is 3% below and it is faster in most rounds. Memory bandwidth on
+a shared host drifts over seconds, so only times taken in the same round are compared. The
+calls are decode steps (--batch sequences of --context tokens) whose caches are cycled over
+layer copies totalling --gib GiB, so K and V come from DRAM, as in a model. The table printed
+per key gives each candidate's time, GB/s (K and V read once per call) and share of the
+roofline: min(read bandwidth, fp32 GEMM rate x cache bytes per flop of the call), both
+measured in the same run.
 """
 
 from __future__ import annotations

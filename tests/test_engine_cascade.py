@@ -10,7 +10,6 @@ import torch
 import paged_ops
 from paged_ops.engine import cascade as cascade_mod
 from paged_ops.engine.cascade import cascade_attention, plan_cascade
-from tests.helpers import make_paged, random_query
 
 BS = 4
 
@@ -117,7 +116,7 @@ transformers = pytest.importorskip("transformers")
 
 from paged_ops.engine import PagedEngine, SamplingParams  # noqa: E402
 from tests.test_engine import _check_pool_empty, _tiny_llama  # noqa: E402
-from tests.test_engine_beam import K, MAX_NEW, N, _hf_beam  # noqa: E402
+from tests.test_engine_beam import MAX_NEW, K, N, _hf_beam  # noqa: E402
 
 PROMPT_LENS = (17, 33, 40)
 

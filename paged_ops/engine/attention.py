@@ -115,10 +115,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     ``torch.ops.paged.attention``: one query row per sequence (decode form) or, with
     ``paged_ctx.query_start_loc``, several causal rows per sequence (prompt chunks, mixed
     with decode rows). Decode steps with a ``paged_ctx.cascade`` attend the blocks their
-    sequences share once per group (:mod:`paged_ops.engine.cascade`). The layer's ``sliding_window`` and ``softcap`` (Gemma 2 style logit
-    soft capping) go to the op; fp8 caches get ``paged_ctx``'s per-layer scales. Without
-    ``paged_ctx`` (the model called outside the engine, e.g. by ``model.generate``) it falls
-    back to transformers' SDPA attention. Attention sinks (``s_aux``) are not supported.
+    sequences share once per group (:mod:`paged_ops.engine.cascade`). The layer's
+    ``sliding_window`` and ``softcap`` (Gemma 2 style logit soft capping) go to the op; fp8
+    caches get ``paged_ctx``'s per-layer scales. Without ``paged_ctx`` (the model called
+    outside the engine, e.g. by ``model.generate``) it falls back to transformers' SDPA
+    attention. Attention sinks (``s_aux``) are not supported.
     """
     if paged_ctx is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

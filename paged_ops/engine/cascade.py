@@ -27,12 +27,10 @@ from dataclasses import dataclass
 import torch
 
 #: A step is cascaded only when its groups save at least this many token reads per kv head
-#: and layer in all (``sum of (members - 1) * shared tokens``). The shared call costs about
-#: as much arithmetic per query row as a decode row (its rows are not batched any better by
-#: the CPU kernel), so the cascade gains only where the reads it saves bound the plain step:
-#: on a 2-core Xeon (bench_cascade.py, head size 64, GQA 4) at about 57k saved token reads
-#: per step (4 requests x 8 branches of 2048 tokens: fp32 1.23x, bf16 1.02x), and not at
-#: 31k and below (1 x 16, 4 x 4: bf16 0.96-0.97x).
+#: and layer in all (``sum of (members - 1) * shared tokens``). The shared call does the same
+#: arithmetic as the decode rows it replaces, only at a somewhat better rate per row, and the
+#: suffix calls and the merge come on top: below this the step is no faster than plain decode
+#: (bench_cascade.py; benchmarks/RESULTS.md, "Cascade decode").
 MIN_SAVED_TOKENS = 32768
 
 

@@ -16,8 +16,8 @@ import torch
 
 from .._api import allocate_kv_cache, copy_blocks, swap_blocks
 from ..block_manager import BlockManager
-from .attention import StepContext
 from . import cascade as _cascade
+from .attention import StepContext
 from .cascade import CascadePlan, plan_cascade
 from .scheduler import SchedulerOutput
 
@@ -48,9 +48,10 @@ class ModelRunner:
     ``key_caches``/``value_caches``: one pair per layer on the model's device; with a swap pool
     ``cpu_key_caches``/``cpu_value_caches`` too. ``k_scales``/``v_scales``: fp8 scales per
     layer (``None`` otherwise); ``calibrate``: the next forward pass sets them from its
-    keys/values (once). ``compile``, ``cascade``: as :class:`PagedEngine`'s arguments. ``native_multi_token``:
-    whether the op takes ``query_start_loc`` on the model's device (else steps with several
-    rows per sequence attend through a gathered plain-torch fallback, eagerly).
+    keys/values (once). ``compile``, ``cascade``: as :class:`PagedEngine`'s arguments.
+    ``native_multi_token``: whether the op takes ``query_start_loc`` on the model's device
+    (else steps with several rows per sequence attend through a gathered plain-torch
+    fallback, eagerly).
     """
 
     def __init__(self, model, block_manager: BlockManager, *, num_layers: int,
