@@ -32,7 +32,7 @@ QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # In the order of the kernel's enums (QkPath, PvPath in csrc/cpu/attention/layout.h).
 QK_PATHS = ("tile", "dot_bf16", "fp8_tables", "amx")
 PV_PATHS = ("group", "group_any", "half_tile", "dot", "tiny", "row_any", "amx")
-MAX_GROUP = 4  # kGroup (csrc/cpu/attention/tuning.h): most blocks per softmax step
+MAX_GROUP = 8  # kGroup (csrc/cpu/attention/tuning.h): most blocks per softmax step
 MAX_BLOCK_SIZE = 256  # kMaxCellBlockSize (ops_cpu.cpp): larger block sizes run by the rules
 
 FILE_FORMAT = "paged_ops-plans"

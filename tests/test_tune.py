@@ -383,7 +383,7 @@ def test_cpu_plan_of_the_rules():
 
 def test_bad_knobs_are_rejected():
     for knobs, name in (({"qk_path": "x"}, "qk_path"), ({"pv_path": 1}, "pv_path"),
-                        ({"blocks_per_group": 5}, "blocks_per_group"),
+                        ({"blocks_per_group": _plans.MAX_GROUP + 1}, "blocks_per_group"),
                         ({"prefetch": 1}, "prefetch"), ({"speed": 2}, "speed")):
         with pytest.raises(ValueError, match=name):
             _plans.check_knobs(knobs)

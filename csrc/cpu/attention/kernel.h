@@ -120,7 +120,8 @@ inline void softmax(ItemState<CT>& w, int64_t hl, int64_t nb, const GroupBlocks<
   // Rows of up to a line each, else lines.
   const int64_t vrow_bytes = layout.bs * static_cast<int64_t>(sizeof(CT));
   const int64_t vpf_stride = std::min<int64_t>(vrow_bytes, 64);
-  const int64_t vpf_end = std::min<int64_t>(R * 8, kGroup * layout.D * vrow_bytes / vpf_stride);
+  const int64_t ng = layout.group;  // the next group's blocks (this one's again past the end)
+  const int64_t vpf_end = std::min<int64_t>(R * 8, ng * layout.D * vrow_bytes / vpf_stride);
   // The group's logits, padded to whole vectors by -inf (dense rows: nb * block_row may
   // end inside one).
   const int64_t n = round_up(nb * layout.block_row, W);
@@ -129,7 +130,7 @@ inline void softmax(ItemState<CT>& w, int64_t hl, int64_t nb, const GroupBlocks<
   float* const acc_h = layout.lane_acc ? scratch.acc.data() + hl * R * layout.acc_row : nullptr;
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t i = r * 8; i < std::min(r * 8 + 8, vpf_end); ++i)
-      prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % kGroup]) + i / kGroup * vpf_stride);
+      prefetch_l2(reinterpret_cast<const char*>(g.v_next[i % ng]) + i / ng * vpf_stride);
     if (!PAGED_OPS_PHASE_SM) continue;
     float* const pr = scratch.p.data() + r * layout.group_row;
     std::fill(pr + nb * layout.block_row, pr + n, neg_inf);

@@ -179,11 +179,11 @@ struct Layout {
     chunk_elems = bs * x;
     raw_row = round_up(chunk_elems, W);
     block_row = bs < W && W % bs == 0 ? bs : round_up(bs, W);
-    group_row = round_up(kGroup * block_row, W);
     group = std::clamp<int64_t>(kGroupBytes / (bs * D * static_cast<int64_t>(sizeof(CT))), 1,
                                 kGroup);
-    acc_row = D * W + 16;
     if (P.plan.group > 0) group = std::min<int64_t>(P.plan.group, kGroup);
+    group_row = round_up(group * block_row, W);
+    acc_row = D * W + 16;
     const bool bf16 = std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16;
     c.dot_bf16 = kDotBF16 && bf16 && chunk_elems % (2 * W) == 0;
     split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;

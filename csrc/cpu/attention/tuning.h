@@ -35,7 +35,7 @@ constexpr int64_t block_column(int64_t b) { return PAGED_OPS_PHASE_ARITH ? b % 2
 // Blocks per softmax step: at most kGroup, and about kGroupBytes of one kv head's keys (as
 // many of values), so that a group's K and V and the next group's, prefetched meanwhile, stay
 // well inside L2 whatever the block size, head size and cache dtype.
-constexpr int64_t kGroup = 4;
+constexpr int64_t kGroup = 8;
 constexpr int64_t kGroupBytes = 64 << 10;
 // A split of a sequence's blocks covers at least this many key elements (512 tokens at head
 // size 128), so that each item runs long enough for its prefetches to pay and the merge of the
