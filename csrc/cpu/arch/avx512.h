@@ -22,11 +22,49 @@ static_assert(W == 16, "the AVX-512 hooks are written for 16 fp32 lanes");
 
 using portable::fill_qrep_chunk;
 using portable::kSplitPairs;
-using portable::kTileSumsByShuffles;
 using portable::load_bf16_half;
 using portable::load_bf16_pairs;
 using portable::split_pairs;
-using portable::tile_sums_by_shuffles;
+
+// ---- tile_sums (pv.h) of tiles of 4 rows: one shuffle tree for up to 16 vectors --------
+
+// The lane sums of v[0, 16) in one vector: lane 4 k + m holds the sum of v[4 m + k]. Halves,
+// then 128-bit blocks, then pairs and single lanes are added across vectors: 30 shuffles and
+// 15 adds for 16 sums, where summing each vector on its own takes 4 of each per sum.
+C10_ALWAYS_INLINE __m512 sum16_transposed(const __m512 (&v)[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // [v2i: 2 blocks | v2i+1: 2 blocks]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // block k: v[4 j + k], 4 lanes
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xDD));
+  const __m512 c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+  const __m512 c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+  const __m512d c0d = _mm512_castps_pd(c0), c1d = _mm512_castps_pd(c1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0d, c1d)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(c0d, c1d)));
+}
+
+template <int RT, int DT>
+constexpr bool kTileSumsByShuffles = RT == 4;
+// o[u * 4 + r] = (init ? 0 : o[u * 4 + r] * alpha[r]) + the lane sum of a[r][u].
+template <int RT, int DT>
+C10_ALWAYS_INLINE void tile_sums_by_shuffles(const VecF (&a)[RT][DT], float* o,
+                                             const float* alpha, bool init) {
+  static_assert(RT == 4 && DT >= 1 && DT <= 4);
+  __m512 v[16];
+  for (int r = 0; r < 4; ++r)
+    for (int u = 0; u < 4; ++u) v[4 * r + u] = u < DT ? __m512(a[r][u]) : _mm512_setzero_ps();
+  const __m512 sum = sum16_transposed(v);
+  constexpr __mmask16 m = static_cast<__mmask16>((1u << (4 * DT)) - 1);
+  if (init) {
+    _mm512_mask_storeu_ps(o, m, sum);
+    return;
+  }
+  const __m512 al = _mm512_broadcast_f32x4(_mm_loadu_ps(alpha));
+  _mm512_mask_storeu_ps(o, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, o), al, sum));
+}
 
 // ---- fp8 -> fp32: as on AVX2 (avx2.h), 16 lanes --------------------------------------
 

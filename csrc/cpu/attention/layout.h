@@ -160,7 +160,8 @@ struct Layout {
                  : PvPath::Group;
     if (forced_pv >= 0 && pv_open(c, forced_pv)) pv = static_cast<PvPath>(forced_pv);
     lane_acc = pv == PvPath::Dot || pv == PvPath::Tiny || pv == PvPath::RowAny ||
-               pv == PvPath::HalfTile || (group_pv() && keep_lane_sums(W));
+               pv == PvPath::HalfTile ||
+               (group_pv() && keep_lane_sums(W, pv == PvPath::Group ? NV : kAnyLaneNV));
     acc_lanes = pv == PvPath::Dot ? bs / 2 : pv == PvPath::HalfTile ? bs : W;
     if (pv == PvPath::Tiny) {
       acc_lanes = cache_bs;

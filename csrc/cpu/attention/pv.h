@@ -21,9 +21,9 @@ inline namespace CPU_CAPABILITY {
 // lane sum on an item's first group (init: o may hold anything). o is tile-major ([D][RT]
 // for the tile's rows), so the DT * RT sums of a step are contiguous; finish turns the tiles
 // back into rows (rows_from_tiles).
-template <int RT, int DT>
+template <int RT, int DT, bool TREE = true>
 inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, bool init) {
-  if constexpr (kTileSumsByShuffles<RT, DT>) {  // AVX2
+  if constexpr (TREE && kTileSumsByShuffles<RT, DT>) {
     tile_sums_by_shuffles(a, o, alpha, init);
     return;
   }
@@ -39,20 +39,21 @@ inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, boo
 // over the offsets t = lane (mod W) of every block of the group, in registers (one V row load
 // and conversion feeds the RT rows of the tile; the probabilities p[r][k * block_row + t] are
 // loaded once per step and row). Where to then:
-// - 8 lanes (AVX2, portable): the lanes are summed once per group into the rows' running sums
-//   o (tile_sums, which also applies the softmax rescale alpha). The running sums are D floats
-//   per row, where per-lane accumulators kept across groups would be D * W floats per row,
-//   loaded and stored from L2.
-// - 16 lanes (kLaneAcc): the accumulators are kept across groups in acc (W lanes per d,
-//   rescaled by SoftmaxState::step) and summed into o only on the item's last group (last;
-//   an item of one group never touches acc). tile_sums has a shuffle tree for 8 lanes only;
-//   with 16 it would sum each accumulator on its own, 8 per 32 FMAs at block size 16.
+// - 8 lanes (AVX2, portable), and 16 lanes for V rows of up to 3 vectors: the lanes are summed
+//   once per group into the rows' running sums o (tile_sums, one shuffle tree per tile, which
+//   also applies the softmax rescale alpha). The running sums are D floats per row, where
+//   per-lane accumulators kept across groups would be D * W floats per row, loaded and stored
+//   from L2 every group.
+// - 16 lanes, rows of 4 vectors and more (kLaneAcc, keep_lane_sums): the accumulators are kept
+//   across groups in acc (W lanes per d, rescaled by SoftmaxState::step) and summed into o
+//   only on the item's last group (last; an item of one group never touches acc), by
+//   ATen's hsum: with the shuffle tree inlined here, 16-bit rows at block sizes 64 and 128
+//   ran 0.70x.
 // next[k]: the blocks to prefetch; k_rest[k] (KREST): the next blocks' key lines q.k left for
 // p.v, one step per vector iteration of block k. init: an item's first group (o and acc are
 // written, not read). NB > 0: a full group of NB blocks, unrolled (pointers stay in
 // registers); NB = 0: nb. NV = 1, 2, 3: that many vectors per V row; NV = 4: any multiple of 4
 // (nv_in of them, block sizes 4 W and up), in steps of 4.
-constexpr bool kLaneAcc = keep_lane_sums(W);
 constexpr int pv_rows_per_step(int NV) { return paged::cpu::pv_rows_per_step(NV, W); }
 inline int64_t pv_steps(int NV, int64_t D) {
   const int64_t dt = pv_rows_per_step(NV);
@@ -87,6 +88,7 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
                      int64_t p_stride, float* o, const float* alpha, float* acc,
                      int64_t acc_stride, int64_t D, const NT* const* next_in, int64_t vrow_bytes,
                      bool init, bool last, PrefetchCursor* k_rest) {
+  constexpr bool kLaneAcc = keep_lane_sums(W, NV);  // as Layout::lane_acc decided: acc given
   const int64_t nv = NV == 4 ? nv_in : NV;
   const int64_t BPv = nv * W;
   constexpr int NBA = NB > 0 ? NB : static_cast<int>(kGroup);
@@ -165,7 +167,7 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
       }
     }
     if (!kLaneAcc || last) {
-      tile_sums<RT, DTc>(a, o + d * RT, alpha, kLaneAcc || init);
+      tile_sums<RT, DTc, !kLaneAcc>(a, o + d * RT, alpha, kLaneAcc || init);
       return;
     }
     for (int r = 0; r < RT; ++r)
@@ -204,6 +206,7 @@ inline void pv_group_any(const VT* const* src, int64_t nb, int64_t nv, int64_t b
                          const NT* const* next, int64_t vrow_bytes, bool init, bool last,
                          PrefetchCursor* k_rest) {
   static_assert(!HALF || W == 16, "half-vector rows need masked FMAs (16 lanes)");
+  constexpr bool kLaneAcc = keep_lane_sums(W, kAnyLaneNV);  // as Layout::lane_acc decided
   constexpr int64_t kHalf = W / 2;
   constexpr uint32_t kLow = (uint32_t{1} << kHalf) - 1, kHigh = kLow << kHalf;
   // PAR: the parity of row d (HALF: which rows are odd); DT rows from d.
@@ -255,7 +258,7 @@ inline void pv_group_any(const VT* const* src, int64_t nb, int64_t nv, int64_t b
       }
     }
     if (!kLaneAcc || last) {
-      tile_sums<RT, DTc>(a, o + d * RT, alpha, kLaneAcc || init);
+      tile_sums<RT, DTc, !kLaneAcc>(a, o + d * RT, alpha, kLaneAcc || init);
       return;
     }
     for (int r = 0; r < RT; ++r)

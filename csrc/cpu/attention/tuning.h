@@ -59,9 +59,15 @@ constexpr bool kSumBlockPairs = true;
 constexpr int kQkFp8Units = 2;
 
 // --- p.v (pv.h) ---
-// pv_group keeps its sums in lanes between groups (acc) rather than in rows (16 lanes: the
-// register file holds a tile's lane sums).
-constexpr bool keep_lane_sums(int64_t lanes) { return lanes == 16; }
+// p.v keeps a tile's sums in lanes between groups (acc) rather than summing them into its rows
+// every group (tile_sums): on the 16-lane builds for V rows of 4 vectors and more (nv; block
+// sizes 64 up), where a group holds few blocks. Summing every group instead, on a Zen 4:
+// fp32 at block size 16 1.04-1.14x, the other dtypes at 16 and 32 0.98-1.06x; 16-bit caches
+// at 128 0.78-0.81x.
+constexpr bool keep_lane_sums(int64_t lanes, int64_t nv) { return lanes == 16 && nv >= 4; }
+// pv_group_any's rows (5, 6, 7, 9, ... vectors, and half-vector rows) count as this many
+// vectors: they keep their sums in lanes (summing every group is not measured there).
+constexpr int64_t kAnyLaneNV = 4;
 // V rows per pv_group step by vectors per V row (NV): where 32 vector registers hold them (16
 // lanes), 4 rows: 16 accumulators for a tile of 4 query rows, 4 V vectors and a probability;
 // 3 rows at NV = 2. The 8-lane builds (16 registers) take 2 and 3.
