@@ -210,6 +210,33 @@ void check_case(const Case& c) {
     CHECK((plan.grain - 1) * total_cost < task_cost * plan.num_items,
           plan_s << ", total cost " << total_cost << ": grain larger than needed");
   }
+  // Tasks: the items cut into contiguous runs, as many as at::parallel_for would give threads
+  // for the grain, none empty, each within one item's cost of an equal share (an item's cost:
+  // the blocks it visits, each counting at least 16 tokens, x its query rows x its kv heads).
+  const int64_t want_tasks =
+      std::clamp<int64_t>(cdiv(plan.num_items, plan.grain), 1, std::max<int64_t>(c.threads, 1));
+  CHECK(plan.num_tasks == want_tasks, plan_s << ", " << want_tasks << " tasks expected");
+  CHECK(plan.task_start[0] == 0 && plan.task_start[plan.num_tasks] == plan.num_items, plan_s);
+  {
+    std::vector<double> cost(plan.num_items);
+    double all = 0, biggest = 0;
+    for (int64_t item = 0; item < plan.num_items; ++item) {
+      const ItemInfo it = item_info(P, plan, item);
+      cost[item] = static_cast<double>(std::max<int64_t>(it.b_last - it.b_first + 1, 1) *
+                                       std::max<int64_t>(bs, 16) * (it.j1 - it.j0) * G * it.nh);
+      all += cost[item];
+      biggest = std::max(biggest, cost[item]);
+    }
+    for (int64_t t = 0; t < plan.num_tasks; ++t) {
+      const int64_t a = plan.task_start[t], b = plan.task_start[t + 1];
+      CHECK(a < b || plan.num_items == 0, plan_s << ", task " << t << " empty");
+      double mine = 0;
+      for (int64_t item = a; item < b; ++item) mine += cost[item];
+      if (plan.num_tasks > 1)
+        CHECK(mine <= all / plan.num_tasks + biggest * (1 + 1e-9),
+              plan_s << ", task " << t << " costs " << mine << " of " << all);
+    }
+  }
   if (c.want_splits >= 0) CHECK(plan.splits == c.want_splits, plan_s);
   if (c.want_hpi >= 0) CHECK(plan.heads_per_item == c.want_hpi, plan_s);
   if (c.want_items >= 0) CHECK(plan.num_items == c.want_items, plan_s);

@@ -264,7 +264,8 @@ void attention_cache(const AttentionParams& P) {
     grow(part_ml, parts * layout.G * 2);
     grow(part_o, parts * layout.G * layout.D);
   }
-  at::parallel_for(0, plan.num_items, plan.grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, plan.num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
+    const int64_t begin = plan.task_start[task_begin], end = plan.task_start[task_end];
     ItemState<CT> w(P, layout, plan, thread_scratch());
     GroupBlocks<CT> g;
     if (layout.amx()) amx_configure(layout.bs);

@@ -48,6 +48,8 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 // faulted in on every call.)
 struct CallScratch {
   std::vector<int64_t> chunk_start;  // Plan::chunk_start
+  std::vector<int64_t> task_start;   // Plan::task_start
+  std::vector<double> item_cost;     // make_plan: each item's cost (item_cost)
   std::vector<float> part_ml, part_o;  // split-K partial states (attention_cache)
 };
 
@@ -82,8 +84,19 @@ struct Plan {
   const int64_t* chunk_start;  // multi-token: prefix sums of chunks per sequence (in
                                // call_scratch(), num_seqs + 1 of them)
   int64_t num_items;
-  int64_t grain;             // items per parallel task
+  int64_t grain;             // items per parallel task, on average
+  // The parallel tasks: task t runs items [task_start[t], task_start[t + 1]) (in
+  // call_scratch(), num_tasks + 1 of them), cut where the items' costs (item_cost) reach
+  // equal shares. at::parallel_for hands each thread one contiguous run of equal counts, and
+  // items of equal counts can differ in cost many times over (a causal prompt's later chunks
+  // see more blocks; sequences of different lengths).
+  int64_t num_tasks;
+  const int64_t* task_start;
 };
+
+struct ItemInfo;
+inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t item);
+inline double item_cost(const AttentionParams& P, const Plan& plan, int64_t item);
 
 inline Plan make_plan(const AttentionParams& P) {
   const int64_t G = P.num_heads / P.num_kv_heads;
@@ -155,6 +168,33 @@ inline Plan make_plan(const AttentionParams& P) {
                    ? std::max<int64_t>(plan.num_items, 1)
                    : std::max<int64_t>(
                          1, static_cast<int64_t>(std::ceil(task * items / total_cost)));
+  // As many tasks as at::parallel_for would give threads for that grain, each a run of items
+  // of about equal cost.
+  const int64_t n = plan.num_items;
+  plan.num_tasks = std::clamp<int64_t>((n + plan.grain - 1) / plan.grain, 1,
+                                       std::max<int64_t>(P.num_threads, 1));
+  std::vector<int64_t>& ts = call_scratch().task_start;
+  grow(ts, plan.num_tasks + 1);
+  plan.task_start = ts.data();
+  ts[0] = 0;
+  ts[plan.num_tasks] = n;
+  if (plan.num_tasks > 1) {
+    std::vector<double>& cost = call_scratch().item_cost;
+    grow(cost, n);
+    double all = 0;
+    for (int64_t i = 0; i < n; ++i) all += cost[i] = item_cost(P, plan, i);
+    // Task t takes at least one item, leaves one to each later task, and ends where its
+    // items' cost prefix comes nearest to t + 1 shares.
+    double acc = 0;
+    int64_t j = 0;
+    for (int64_t t = 0; t + 1 < plan.num_tasks; ++t) {
+      const double target = all * static_cast<double>(t + 1) / static_cast<double>(plan.num_tasks);
+      const int64_t hi = n - (plan.num_tasks - 1 - t);
+      acc += cost[j++];
+      for (; j < hi && acc + cost[j] / 2 <= target; ++j) acc += cost[j];
+      ts[t + 1] = j;
+    }
+  }
   return plan;
 }
 
@@ -204,6 +244,16 @@ inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t it
     it.b_first = a;
   }
   return it;
+}
+
+// An item's share of the work, in the units of make_plan's cost: the blocks its rows visit
+// (each counting at least kMinVisitTokens tokens) x its query rows x its kv heads.
+inline double item_cost(const AttentionParams& P, const Plan& plan, int64_t item) {
+  const ItemInfo it = item_info(P, plan, item);
+  const int64_t G = P.num_heads / P.num_kv_heads;
+  const double blocks = static_cast<double>(std::max<int64_t>(it.b_last - it.b_first + 1, 1));
+  const double tokens = static_cast<double>(std::max<int64_t>(P.block_size, kMinVisitTokens));
+  return blocks * tokens * static_cast<double>((it.j1 - it.j0) * G * it.nh);
 }
 
 }  // namespace CPU_CAPABILITY
