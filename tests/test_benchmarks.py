@@ -109,7 +109,21 @@ def test_peer_vllm_cpu_table_and_fp8_reference():
 def test_benchmark_scripts_print_their_help():
     # argparse formats help strings with %: a stray one fails --help (and every run) at once.
     for name in ("bench_attention", "bench_cache_write", "bench_block_manager", "kernel_phases",
-                 "ab_kernels", "cpu_grid"):
+                 "ab_kernels", "cpu_grid", "bench_prefill"):
         run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"),
                               "--help"], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and "usage" in run.stdout, (name, run.stderr[-2000:])
+
+
+def test_bench_prefill_quick_runs(capsys):
+    # benchmarks/bench_prefill.py --quick: a row per case and thread count, ours equal to SDPA.
+    import torch
+    threads = torch.get_num_threads()
+    try:
+        load("bench_prefill").main(["--quick", "--dtypes", "fp32", "--threads", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 1 x 40 |")
+            or r.startswith("| 2 mixed")]
+    assert len(rows) == 4, rows
+    assert all(float(r.rstrip(" |").rsplit("|", 1)[1]) < 1e-4 for r in rows), rows
