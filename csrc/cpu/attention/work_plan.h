@@ -94,9 +94,63 @@ struct Plan {
   const int64_t* task_start;
 };
 
-struct ItemInfo;
-inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t item);
-inline double item_cost(const AttentionParams& P, const Plan& plan, int64_t item);
+// What a work item covers: its sequence, kv heads [kvh, kvh + nh), split, query tokens
+// [j0, j1) of the sequence's q_len (rows from row0), and the block range [b_first, b_last]
+// visible to some row (lo_min: first visible position, P_max: last; L: the sequence length).
+struct ItemInfo {
+  int64_t s, kvh, nh, split, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
+};
+
+inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t item) {
+  const int64_t bs = P.block_size;
+  ItemInfo it{};
+  it.j0 = 0;
+  it.j1 = 1;
+  it.q_len = 1;
+  it.nh = 1;
+  it.split = 0;
+  if (P.query_start_loc != nullptr) {
+    const int64_t c = item / P.num_kv_heads;
+    it.kvh = item % P.num_kv_heads;
+    it.s = std::upper_bound(plan.chunk_start, plan.chunk_start + P.num_seqs + 1, c) -
+           plan.chunk_start - 1;
+    it.q_len = P.query_start_loc[it.s + 1] - P.query_start_loc[it.s];
+    it.j0 = (c - plan.chunk_start[it.s]) * plan.tokens_per_chunk;
+    it.j1 = std::min(it.q_len, it.j0 + plan.tokens_per_chunk);
+    it.row0 = P.query_start_loc[it.s];
+  } else {
+    it.split = item % plan.splits;
+    it.kvh = (item / plan.splits) % plan.head_chunks * plan.heads_per_item;
+    it.nh = std::min(plan.heads_per_item, P.num_kv_heads - it.kvh);
+    it.s = item / (plan.splits * plan.head_chunks);
+    it.row0 = it.s;
+  }
+  it.L = P.seq_lens[it.s * P.sl_stride];
+  // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = row_position(j): both bounds
+  // grow with j (non-causal: both are constant).
+  it.lo_min = first_visible(P, row_position(P, it.L, it.q_len, it.j0));
+  it.P_max = row_position(P, it.L, it.q_len, it.j1 - 1);
+  it.b_first = it.L > 0 ? it.lo_min / bs : 0;
+  it.b_last = it.L > 0 ? it.P_max / bs : -1;
+  if (plan.splits > 1) {
+    const int64_t nblk = it.b_last - it.b_first + 1;
+    const int64_t per = (nblk + plan.splits - 1) / plan.splits;
+    const int64_t a = it.b_first + it.split * per;
+    it.b_last = std::min(it.b_last, a + per - 1);
+    it.b_first = a;
+  }
+  return it;
+}
+
+// An item's share of the work, in the units of make_plan's cost: the blocks its rows visit
+// (each counting at least kMinVisitTokens tokens) x its query rows x its kv heads.
+inline double item_cost(const AttentionParams& P, const Plan& plan, int64_t item) {
+  const ItemInfo it = item_info(P, plan, item);
+  const int64_t G = P.num_heads / P.num_kv_heads;
+  const double blocks = static_cast<double>(std::max<int64_t>(it.b_last - it.b_first + 1, 1));
+  const double tokens = static_cast<double>(std::max<int64_t>(P.block_size, kMinVisitTokens));
+  return blocks * tokens * static_cast<double>((it.j1 - it.j0) * G * it.nh);
+}
 
 inline Plan make_plan(const AttentionParams& P) {
   const int64_t G = P.num_heads / P.num_kv_heads;
@@ -196,64 +250,6 @@ inline Plan make_plan(const AttentionParams& P) {
     }
   }
   return plan;
-}
-
-// What a work item covers: its sequence, kv heads [kvh, kvh + nh), split, query tokens
-// [j0, j1) of the sequence's q_len (rows from row0), and the block range [b_first, b_last]
-// visible to some row (lo_min: first visible position, P_max: last; L: the sequence length).
-struct ItemInfo {
-  int64_t s, kvh, nh, split, j0, j1, q_len, row0, L, lo_min, P_max, b_first, b_last;
-};
-
-inline ItemInfo item_info(const AttentionParams& P, const Plan& plan, int64_t item) {
-  const int64_t bs = P.block_size;
-  ItemInfo it{};
-  it.j0 = 0;
-  it.j1 = 1;
-  it.q_len = 1;
-  it.nh = 1;
-  it.split = 0;
-  if (P.query_start_loc != nullptr) {
-    const int64_t c = item / P.num_kv_heads;
-    it.kvh = item % P.num_kv_heads;
-    it.s = std::upper_bound(plan.chunk_start, plan.chunk_start + P.num_seqs + 1, c) -
-           plan.chunk_start - 1;
-    it.q_len = P.query_start_loc[it.s + 1] - P.query_start_loc[it.s];
-    it.j0 = (c - plan.chunk_start[it.s]) * plan.tokens_per_chunk;
-    it.j1 = std::min(it.q_len, it.j0 + plan.tokens_per_chunk);
-    it.row0 = P.query_start_loc[it.s];
-  } else {
-    it.split = item % plan.splits;
-    it.kvh = (item / plan.splits) % plan.head_chunks * plan.heads_per_item;
-    it.nh = std::min(plan.heads_per_item, P.num_kv_heads - it.kvh);
-    it.s = item / (plan.splits * plan.head_chunks);
-    it.row0 = it.s;
-  }
-  it.L = P.seq_lens[it.s * P.sl_stride];
-  // Row j sees [max(0, Ppos - window + 1), Ppos] with Ppos = row_position(j): both bounds
-  // grow with j (non-causal: both are constant).
-  it.lo_min = first_visible(P, row_position(P, it.L, it.q_len, it.j0));
-  it.P_max = row_position(P, it.L, it.q_len, it.j1 - 1);
-  it.b_first = it.L > 0 ? it.lo_min / bs : 0;
-  it.b_last = it.L > 0 ? it.P_max / bs : -1;
-  if (plan.splits > 1) {
-    const int64_t nblk = it.b_last - it.b_first + 1;
-    const int64_t per = (nblk + plan.splits - 1) / plan.splits;
-    const int64_t a = it.b_first + it.split * per;
-    it.b_last = std::min(it.b_last, a + per - 1);
-    it.b_first = a;
-  }
-  return it;
-}
-
-// An item's share of the work, in the units of make_plan's cost: the blocks its rows visit
-// (each counting at least kMinVisitTokens tokens) x its query rows x its kv heads.
-inline double item_cost(const AttentionParams& P, const Plan& plan, int64_t item) {
-  const ItemInfo it = item_info(P, plan, item);
-  const int64_t G = P.num_heads / P.num_kv_heads;
-  const double blocks = static_cast<double>(std::max<int64_t>(it.b_last - it.b_first + 1, 1));
-  const double tokens = static_cast<double>(std::max<int64_t>(P.block_size, kMinVisitTokens));
-  return blocks * tokens * static_cast<double>((it.j1 - it.j0) * G * it.nh);
 }
 
 }  // namespace CPU_CAPABILITY
