@@ -18,13 +18,17 @@ largest difference between the two outputs. Then ours on all threads against our
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import paged_ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import timeit  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,17 +61,8 @@ def make_inputs(lengths, H, Hkv, D, bs, dtype, seed=0):
     return q, kc, vc, tables, sl, qsl, dense
 
 
-def median_time(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def run_case(name, lengths, dtype, args, threads_list):
+def run_case(name, lengths, dname, args, threads_list):
+    dtype = DTYPES[dname]
     H, Hkv = (int(x) for x in args.heads.split("/"))
     D, bs = args.head_size, args.block_size
     scale = D ** -0.5
@@ -94,11 +89,11 @@ def run_case(name, lengths, dtype, args, threads_list):
         # Interleaved rounds: the two share whatever the machine does meanwhile.
         t_ours, t_sdpa = [], []
         for _ in range(args.rounds):
-            t_ours.append(median_time(ours, args.reps))
-            t_sdpa.append(median_time(sdpa, args.reps))
+            t_ours.append(timeit(ours, "cpu", min_time=0.0, min_reps=args.reps))
+            t_sdpa.append(timeit(sdpa, "cpu", min_time=0.0, min_reps=args.reps))
         to, ts = statistics.median(t_ours), statistics.median(t_sdpa)
         mine[nt] = to
-        print(f"| {name} | {args.dtype_names[dtype]} | {nt} | {to * 1e3:.2f} | "
+        print(f"| {name} | {dname} | {nt} | {to * 1e3:.2f} | "
               f"{flops / to / 1e9:.0f} | {ts * 1e3:.2f} | {flops / ts / 1e9:.0f} | "
               f"{ts / to:.2f} | {err:.1e} |", flush=True)
     return mine
@@ -122,7 +117,6 @@ def main(argv=None):
         args.lengths, args.mixed, args.reps, args.rounds = "40", "40,17", 1, 1
     nt_all = args.threads or torch.get_num_threads()
     threads_list = [1, nt_all] if nt_all > 1 else [1]
-    args.dtype_names = {DTYPES[n]: n for n in args.dtypes.split(",")}
     print(f"# {paged_ops.cpu_kernel_variant()} build, heads {args.heads}, head size "
           f"{args.head_size}, block size {args.block_size}; causal prefill")
     print("| case | dtype | threads | ours ms | GFLOP/s | SDPA ms | GFLOP/s | SDPA / ours "
@@ -130,13 +124,12 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|")
     scaling = []
     for dname in args.dtypes.split(","):
-        dtype = DTYPES[dname]
         cases = [(f"1 x {n}", [n]) for n in (int(x) for x in args.lengths.split(","))]
         if args.mixed:
             mixed = [int(x) for x in args.mixed.split(",")]
             cases.append((f"{len(mixed)} mixed ({'+'.join(map(str, mixed))})", mixed))
         for name, lengths in cases:
-            mine = run_case(name, lengths, dtype, args, threads_list)
+            mine = run_case(name, lengths, dname, args, threads_list)
             if len(mine) > 1:
                 scaling.append(f"{name} {dname}: {mine[1] / mine[nt_all]:.2f}x")
     torch.set_num_threads(nt_all)
