@@ -113,6 +113,21 @@ inline VecF dot_pairs(const VecF& acc, const BF16Pairs& a, const BF16Pairs& b) {
 // The operand kept in a register (in_register for bf16 pairs); portable: as it is.
 inline BF16Pairs pairs_in_register(const BF16Pairs& v) { return v; }
 
+// fp8 -> bf16 pairs through the byte tables of fp8.h (kFp8Tables; the dot paths on fp8 caches
+// with bf16 queries): the 4 W bytes at b as two operands of dot_pairs in element order, lo the
+// first 2 W values, hi the next 2 W, in the kernel's units (exact, NaN and Inf kept).
+// Portable: value by value.
+template <typename T>
+C10_ALWAYS_INLINE void decode_fp8_pairs(const uint8_t* b, BF16Pairs& lo, BF16Pairs& hi) {
+  static_assert(sizeof(T) == 1 && W == 16, "decode_fp8_pairs is written for 16 lanes");
+  const Fp8Bf16Tables& t = kFp8Bf16Tables<T>;
+  uint16_t v[4 * W];
+  for (int64_t i = 0; i < 4 * W; ++i)
+    v[i] = static_cast<uint16_t>(((t.hi[b[i] & 0x7F] | (b[i] & 0x80)) << 8) | t.lo[b[i] & 0x7F]);
+  lo = load_pairs(v);
+  hi = load_pairs(v + 2 * W);
+}
+
 // a + v * p in the lanes set in mask (bit i: lane i), a as it is in the others, whatever v and
 // p hold there (NaN included): pv_group_any's vectors that straddle two V rows. And the
 // lanes of mask loaded from p, zero elsewhere (the others' addresses are not read).

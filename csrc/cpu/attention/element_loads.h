@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/fp8.h"
 #include "cpu/arch/isa.h"
@@ -71,6 +72,25 @@ constexpr bool kDotBF16 = true;
 #else
 constexpr bool kDotBF16 = false;
 #endif
+
+// The caches the dot paths read (with bf16 queries): bf16, and fp8 where its byte tables give
+// bf16 pairs exactly (decode_fp8_pairs, 16 lanes), which reads 4 W values at once.
+template <typename T>
+constexpr bool kDotCache =
+    kDotBF16 && (std::is_same_v<T, c10::BFloat16> || (is_fp8_v<T> && kFp8Tables && W == 16));
+template <typename T>
+constexpr int64_t kDotLoad = is_fp8_v<T> ? 4 * W : 2 * W;  // elements one dot load reads
+
+// Two consecutive dot_pairs operands (4 W elements) of a block of a kDotCache cache.
+template <typename T>
+C10_ALWAYS_INLINE void load_pairs2(const T* p, BF16Pairs& lo, BF16Pairs& hi) {
+  if constexpr (is_fp8_v<T>) {
+    decode_fp8_pairs<T>(reinterpret_cast<const uint8_t*>(p), lo, hi);
+  } else {
+    lo = load_pairs(p);
+    hi = load_pairs(p + 2 * W);
+  }
+}
 
 template <typename T>
 inline float to_f32(T v) {

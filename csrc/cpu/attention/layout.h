@@ -27,7 +27,7 @@ inline namespace CPU_CAPABILITY {
 // How the logits of a block are computed (qk_paths.h).
 enum class QkPath {
   Tile,       // qk_tile: fp32 lanes of q chunks against key chunks, any cache type (qk.h)
-  DotBF16,    // qk_tile_dot: bf16 pair dot products, bf16 queries on a bf16 cache (kDotBF16)
+  DotBF16,    // qk_tile_dot: bf16 pair dot products, bf16 queries on bf16 or fp8 (kDotCache)
   Fp8Tables,  // qk_tile_fp8: fp8 keys decoded by byte tables (kFp8Tables, 16 lanes)
   Amx,        // amx_qk_block: AMX tiles, bf16 queries on a bf16 cache (kAmx, amx.h)
 };
@@ -37,7 +37,7 @@ enum class PvPath {
   Group,     // pv_group: V rows of 1-3 or a multiple of 4 vectors (block sizes W, 2 W, 3 W, 4k W)
   GroupAny,  // pv_group_any: other block sizes above W (whole or half vectors per V row)
   HalfTile,  // pv_half_tile: block sizes W / 2 and W / 4, 2 or 4 V rows per vector
-  Dot,       // pv_dot_tile: bf16 pair dot products (kDotBF16), block sizes W / 2 and W
+  Dot,       // pv_dot_tile: bf16 pair dot products (kDotCache), block sizes W / 2 and W
   Tiny,      // pv_tiny: staged block sizes below W in decode, V read in place
   RowAny,    // pv_row_any: any block size, V converted to fp32 rows
   Amx,       // amx_pv_group: AMX tiles (with QkPath::Amx)
@@ -186,7 +186,9 @@ struct Layout {
     group_row = round_up(group * block_row, W);
     acc_row = D * W + 16;
     const bool bf16 = std::is_same_v<CT, c10::BFloat16> && P.dtype == DType::BF16;
-    c.dot_bf16 = kDotBF16 && bf16 && chunk_elems % (2 * W) == 0;
+    // The dot paths: bf16 queries on a kDotCache cache, whole loads (kDotLoad) of its blocks.
+    const bool dot = kDotCache<CT> && P.dtype == DType::BF16;
+    c.dot_bf16 = dot && chunk_elems % kDotLoad<CT> == 0;
     split_k = kSplitPairs<CT> && x == W && bs % 2 == 0;
     c.fp8_tables = kFp8Tables && is_fp8_v<CT> && W == 16 && x == W && chunk_elems % (4 * W) == 0;
     // A plan's forced q.k path, where open (Tile always is): the paths before it are closed.
@@ -198,6 +200,7 @@ struct Layout {
       c.dot_bf16 = c.dot_bf16 && fqk == static_cast<int>(QkPath::DotBF16);
       c.fp8_tables = c.fp8_tables && fqk == static_cast<int>(QkPath::Fp8Tables);
     }
+    if (c.dot_bf16) c.fp8_tables = false;  // fp8 keys: DotBF16 reads them by the same tables
     q_repeat = c.fp8_tables ? 4 * W : c.dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
     x_sum = c.fp8_tables ? 4 : c.dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
@@ -222,7 +225,7 @@ struct Layout {
             rows_max <= 16 && !no_amx && amx::usable();
     sum_blocks = kSumBlockPairs && 2 * bs == W && x_sum <= 4 && !c.amx ? 2 : 1;
     raw_row = std::max(raw_row, round_up(sum_blocks * bs * x_sum, W));
-    c.dot = kDotBF16 && bf16 && !c.amx && (bs == W / 2 || bs == W) && D * bs % (2 * W) == 0;
+    c.dot = dot && !c.amx && (bs == W / 2 || bs == W) && D * bs % kDotLoad<CT> == 0;
     dot_accs = D * bs / (2 * W);
     // A plan forcing another open p.v path closes Dot (which closes Group and HalfTile).
     if (fpv >= 0 && fpv != static_cast<int>(PvPath::Dot)) {

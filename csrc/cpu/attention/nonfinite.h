@@ -110,8 +110,8 @@ inline void isolate_nonfinite(ItemState<CT>& w, int64_t hl, int64_t nb, GroupBlo
   for (int64_t k = 0; k < nb; ++k) {
     if (g.a0[k] == g.t0[k] && g.a1[k] == g.t1[k]) continue;  // every row sees the same
     const CT* vb = g.v[k];
-    // First the whole block by vectors: x - x is NaN exactly where x is not finite (as the
-    // kernel reads it: an e4m3 NaN through the vector decode is scan_values' business).
+    // First the whole block by vectors: x - x is NaN exactly where x is not finite (an e4m3
+    // NaN, which the vector decode reads as a finite number, by e4m3_has_nan).
     VecF any(0.f);
     int64_t j = 0;
     for (; j + W <= D * bs; j += W) {
@@ -120,6 +120,9 @@ inline void isolate_nonfinite(ItemState<CT>& w, int64_t hl, int64_t nb, GroupBlo
     }
     bool finite = !std::isnan(hsum(any));
     for (; j < D * bs; ++j) finite &= std::isfinite(to_f32(vb[j]));
+    // p.v's Dot path reads e4m3 NaN by tables (scan_values does not run there).
+    if constexpr (ItemState<CT>::kScanNan)
+      finite = finite && !e4m3_has_nan(reinterpret_cast<const uint8_t*>(vb), D * bs);
     if (finite) continue;
     for (int64_t d = 0; d < D; ++d) {
       for (int64_t t = g.t0[k]; t < g.t1[k]; ++t) {

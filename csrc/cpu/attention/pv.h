@@ -450,23 +450,26 @@ inline void pv_tiny(const VT* const* src, const int64_t* off, int64_t n, const f
 }
 
 // p . v by bf16 pair dot products (Layout::dot_pv, block sizes W / 2 and W) for a tile of RT
-// query rows. A [D][bs] bf16 V block is read as vectors of 2 W consecutive elements: vector a
-// holds rows [a * 2 W / bs, (a + 1) * 2 W / bs), all of each, and lane j pairs elements 2 j
-// and 2 j + 1 with the matching probabilities of pb[r][k] (the block's bs probabilities once
-// per row, pack_dot_probabilities). Lane j of accumulator a thus sums row d = a * 2 W / bs +
-// j / L (L = bs / 2 lanes per row): flat index d * L + j % L of the row's acc, which is how
-// sum_lane_groups reads it at the end of the item. acc is kept across groups (rescaled by
-// SoftmaxState::step); init: the item's first group (acc is written, not read). One V load
-// feeds RT dot products and one probability load DT; each vector read asks for the same
-// vector of the next block, and k_rest[k] (KREST) steps with it.
-template <int RT, bool KREST>
-inline void pv_dot_tile(const c10::BFloat16* const* src, int64_t nb, const uint16_t* pb,
-                        int64_t pb_stride, float* acc, int64_t acc_stride, int64_t accs,
-                        bool init, const c10::BFloat16* const* next, PrefetchCursor* k_rest) {
-  constexpr int DT = 4;  // accumulators per step: RT * DT + DT + 1 vectors live
-  constexpr int64_t kVecBytes = 2 * W * static_cast<int64_t>(sizeof(c10::BFloat16));
+// query rows. A [D][bs] V block (bf16, or fp8 decoded to bf16 pairs by load_pairs2) is read as
+// vectors of 2 W consecutive elements: vector a holds rows [a * 2 W / bs, (a + 1) * 2 W / bs),
+// all of each, and lane j pairs elements 2 j and 2 j + 1 with the matching probabilities of
+// pb[r][k] (the block's bs probabilities once per row, pack_dot_probabilities). Lane j of
+// accumulator a thus sums row d = a * 2 W / bs + j / L (L = bs / 2 lanes per row): flat index
+// d * L + j % L of the row's acc, which is how sum_lane_groups reads it at the end of the
+// item. acc is kept across groups (rescaled by SoftmaxState::step); init: the item's first
+// group (acc is written, not read). One V load feeds RT dot products and one probability load
+// DT; each vector read asks for the same vector of the next block, and k_rest[k] (KREST) steps
+// with it. Steps of 4, 2 and 1 vectors (fp8: an even number, Layout::derive).
+template <int RT, bool KREST, typename T>
+inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride,
+                        float* acc, int64_t acc_stride, int64_t accs, bool init,
+                        const T* const* next, PrefetchCursor* k_rest) {
+  // Accumulators per step: RT * DT + DT + 1 vectors live, and fp8's 6 table and order vectors.
+  constexpr int DT = is_fp8_v<T> ? 2 : 4;
+  constexpr int64_t kVecBytes = 2 * W * static_cast<int64_t>(sizeof(T));
   auto step = [&](int64_t a0, auto dt_c) {
     constexpr int DTc = decltype(dt_c)::value;
+    static_assert(DTc % 2 == 0 || !is_fp8_v<T>, "fp8 is decoded two vectors at a time");
     VecF s[RT][DTc];
     for (int r = 0; r < RT; ++r)
       for (int u = 0; u < DTc; ++u)
@@ -474,11 +477,11 @@ inline void pv_dot_tile(const c10::BFloat16* const* src, int64_t nb, const uint1
     for (int64_t k = 0; k < nb; ++k) {
       if constexpr (KREST) k_rest[k].step();
       const char* nx = reinterpret_cast<const char*>(next[k]);
+      for (int64_t i = 0; i < DTc * kVecBytes; i += 64) prefetch_l2(nx + a0 * kVecBytes + i);
       BF16Pairs v[DTc];
-      for (int u = 0; u < DTc; ++u) {
-        prefetch_l2(nx + (a0 + u) * kVecBytes);
-        v[u] = load_pairs(src[k] + (a0 + u) * 2 * W);
-      }
+      const T* vk = src[k] + a0 * 2 * W;
+      for (int u = 0; u + 1 < DTc; u += 2) load_pairs2(vk + u * 2 * W, v[u], v[u + 1]);
+      if constexpr (DTc % 2 == 1) v[DTc - 1] = load_pairs(vk + (DTc - 1) * 2 * W);
       for (int r = 0; r < RT; ++r) {
         const BF16Pairs p = pairs_in_register(load_pairs(pb + r * pb_stride + k * 2 * W));
         for (int u = 0; u < DTc; ++u) s[r][u] = dot_pairs(s[r][u], v[u], p);
@@ -489,7 +492,9 @@ inline void pv_dot_tile(const c10::BFloat16* const* src, int64_t nb, const uint1
   };
   int64_t a = 0;
   for (; a + DT <= accs; a += DT) step(a, std::integral_constant<int, DT>{});
-  for (; a < accs; ++a) step(a, std::integral_constant<int, 1>{});
+  for (; a + 2 <= accs; a += 2) step(a, std::integral_constant<int, 2>{});
+  if constexpr (!is_fp8_v<T>)
+    for (; a < accs; ++a) step(a, std::integral_constant<int, 1>{});
 }
 
 // pv_dot_tile over the tiles of 4 rows of [0, R), inlined into one loop (flatten): multi-token
@@ -497,11 +502,11 @@ inline void pv_dot_tile(const c10::BFloat16* const* src, int64_t nb, const uint1
 // tile of a kv head is, causal bf16 prefill (block size 16, head sizes 64 and 128, one thread,
 // Zen 4) ran 0.75-0.80x of this; the loop inlined into the kernel's group step instead of
 // here, decode at block sizes 8 and 16 0.88-0.97x.
-template <bool KREST>
+template <bool KREST, typename T>
 [[gnu::flatten]] __attribute__((noinline)) int64_t pv_dot_tiles(
-    const c10::BFloat16* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride,
-    float* acc, int64_t acc_stride, int64_t accs, bool init, const c10::BFloat16* const* next,
-    PrefetchCursor* k_rest, int64_t R) {
+    const T* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride, float* acc,
+    int64_t acc_stride, int64_t accs, bool init, const T* const* next, PrefetchCursor* k_rest,
+    int64_t R) {
   int64_t r = 0;
   for (; r + 4 <= R; r += 4)
     pv_dot_tile<4, KREST>(src, nb, pb + r * pb_stride, pb_stride, acc + r * acc_stride,
@@ -510,7 +515,7 @@ template <bool KREST>
 }
 
 // Steps of one pv_dot_tile call (k_rest's steps per block).
-inline int64_t pv_dot_steps(int64_t accs) { return accs / 4 + accs % 4; }
+inline int64_t pv_dot_steps(int64_t accs) { return accs / 4 + accs % 4 / 2 + accs % 2; }
 
 // The probability operand of pv_dot_tile for rows [0, R) and blocks [0, nb) of a group (p:
 // rows p_stride apart, blocks block_row apart, bs <= block_row): out[r * out_stride + k * 2 W

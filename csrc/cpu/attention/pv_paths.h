@@ -102,11 +102,12 @@ inline void pv_path_tiny(ItemState<CT>& w, int64_t hl, int64_t nb) {
   else tiles(std::integral_constant<int, 0>{});
 }
 
-// PvPath::Dot: pv_dot_tile (pv.h) on the bf16 blocks, probabilities rounded to bf16 pairs.
+// PvPath::Dot: pv_dot_tile (pv.h) on the bf16 or fp8 blocks, probabilities rounded to bf16
+// pairs.
 template <typename CT>
 inline void pv_path_dot(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
                         const GroupBlocks<CT>& g) {
-  if constexpr (std::is_same_v<CT, c10::BFloat16>) {
+  if constexpr (kDotCache<CT>) {
     constexpr bool kSplit = ItemState<CT>::kSplitKeyPrefetch;
     const Layout<CT>& layout = w.layout;
     const int64_t R = w.R, acc_row = layout.acc_row, accs = layout.dot_accs;
@@ -258,7 +259,10 @@ inline void pv_path_group(ItemState<CT>& w, int64_t hl, int64_t nb, bool first, 
 template <typename CT>
 inline void pv(ItemState<CT>& w, int64_t hl, int64_t nb, bool first, bool last,
                GroupBlocks<CT>& g) {
-  if constexpr (ItemState<CT>::kScanNan) scan_values(w, hl, nb, g);
+  // Dot decodes e4m3 by tables, which keep NaN (isolate_nonfinite finds those only some rows
+  // see).
+  if constexpr (ItemState<CT>::kScanNan)
+    if (w.layout.pv != PvPath::Dot) scan_values(w, hl, nb, g);
   if (w.P.query_start_loc != nullptr) isolate_nonfinite(w, hl, nb, g);
   switch (w.layout.pv) {
     case PvPath::Amx: return pv_path_amx(w, hl, nb, first, g);

@@ -150,21 +150,24 @@ inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64
   return steps * num_chunks;
 }
 
-// q.k by bf16 pair dot products (Layout::dot_bf16): a unit is 2 W bf16 elements of a chunk
-// (2 W / x tokens' chunks), qrep[g][c] the q chunk's x bf16 values repeated to 2 W (in W float
-// slots), and raw gets W lanes per unit, x / 2 pair sums per token. TOK units per step share
-// each q load.
-template <int G_T, int TOK>
-inline void qk_dot_step(const c10::BFloat16* kblk, const float* qrep, float* raw,
-                        int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
-                        PrefetchCursor& pf, int64_t unit0) {
+// q.k by bf16 pair dot products (Layout::dot_bf16): a unit is 2 W elements of a chunk (2 W / x
+// tokens' chunks; fp8 keys decoded to bf16 pairs two units at a time, load_pairs2), qrep[g][c]
+// the q chunk's x bf16 values repeated to 2 W (in W float slots), and raw gets W lanes per
+// unit, x / 2 pair sums per token. TOK units per step share each q load.
+template <int G_T, int TOK, typename T>
+inline void qk_dot_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                        int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf,
+                        int64_t unit0) {
+  static_assert(TOK % 2 == 0 || !is_fp8_v<T>, "fp8 keys are decoded two units at a time");
   VecF a[G_T][TOK];
   for (int g = 0; g < G_T; ++g)
     for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
   for (int64_t c = 0; c < num_chunks; ++c) {
     pf.step();
+    const T* kc = kblk + c * chunk_elems + unit0 * 2 * W;
     BF16Pairs k[TOK];
-    for (int t = 0; t < TOK; ++t) k[t] = load_pairs(kblk + c * chunk_elems + (unit0 + t) * 2 * W);
+    for (int t = 0; t + 1 < TOK; t += 2) load_pairs2(kc + t * 2 * W, k[t], k[t + 1]);
+    if constexpr (TOK % 2 == 1) k[TOK - 1] = load_pairs(kc + (TOK - 1) * 2 * W);
     for (int g = 0; g < G_T; ++g) {
       const BF16Pairs q = load_pairs(qrep + (g * num_chunks + c) * W);
       for (int t = 0; t < TOK; ++t) a[g][t] = dot_pairs(a[g][t], k[t], q);
@@ -174,21 +177,21 @@ inline void qk_dot_step(const c10::BFloat16* kblk, const float* qrep, float* raw
     for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (unit0 + t) * W);
 }
 
-// Steps of 4, 2 and 1 units: 4 G_T + 4 + 1 vectors live at once (21 of AVX-512's 32 registers
-// for a tile of 4 rows). Every chunk iteration steps the prefetch cursor once, as in qk_tile;
-// qk_dot_iterations counts them.
-template <int G_T>
-inline void qk_tile_dot(const c10::BFloat16* kblk, const float* qrep, float* raw,
-                        int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
-                        PrefetchCursor& pf) {
+// Steps of 4, 2 and 1 units (fp8: an even number, Layout::derive): 4 G_T + 4 + 1 vectors live
+// at once (21 of AVX-512's 32 registers for a tile of 4 rows). Every chunk iteration steps the
+// prefetch cursor once, as in qk_tile; qk_dot_iterations counts them.
+template <int G_T, typename T>
+inline void qk_tile_dot(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                        int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf) {
   const int64_t units = chunk_elems / (2 * W);
   int64_t u = 0;
   for (; u + 4 <= units; u += 4)
     qk_dot_step<G_T, 4>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
   for (; u + 2 <= units; u += 2)
     qk_dot_step<G_T, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
-  for (; u < units; ++u)
-    qk_dot_step<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+  if constexpr (!is_fp8_v<T>)
+    for (; u < units; ++u)
+      qk_dot_step<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
 }
 
 inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {

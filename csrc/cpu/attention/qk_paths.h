@@ -132,7 +132,7 @@ inline void qk_block(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<
   switch (layout.qk) {
     case QkPath::Amx: return qk_path_amx(w, hl, k, g, pf);
     case QkPath::DotBF16:  // qk_tile_dot (qk.h)
-      if constexpr (std::is_same_v<CT, c10::BFloat16>)
+      if constexpr (kDotCache<CT>)
         qk_row_tiles(w, hl, k, [&](auto rows, const float* qr, float* raw) {
           qk_tile_dot<decltype(rows)::value>(kb, qr, raw, nc, ce, rr, pf);
         });
@@ -189,7 +189,8 @@ inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb,
   const int64_t sum_blocks = layout.sum_blocks;
   bool k_nan[kGroup] = {};
   for (int64_t k = 0; k < nb; ++k) {
-    if constexpr (kScanNan) k_nan[k] = layout.qk != QkPath::Fp8Tables && scan_keys(w, g, k);
+    if constexpr (kScanNan)  // keys decoded by tables carry their NaN
+      k_nan[k] = layout.qk == QkPath::Tile && scan_keys(w, g, k);
     PrefetchCursor pf;
     if (layout.staged()) {  // the listed lines, split as above (keys first)
       const char* const* lines = scratch.next_lines.data() + g.line_begin[k];
