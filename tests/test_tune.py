@@ -43,7 +43,8 @@ def forced(key, knobs, table=None):
 
 # (query dtype, cache dtype, block size, head size, query heads / kv heads): staged block sizes
 # (1, 3), dense logit rows (8 on 16 lanes), half and quarter tiles, whole and partial vectors
-# per V row, several groups per sequence, GQA 4 and 1, fp8 keys by tables.
+# per V row, several groups per sequence, GQA 4 and 1, fp8 keys by tables, bf16 pair dot
+# products on one and on several operands per V row.
 CASES = [
     (torch.float32, torch.float32, 1, 64, (8, 2)),
     (torch.float32, torch.float32, 8, 128, (8, 2)),
@@ -54,8 +55,10 @@ CASES = [
     (torch.bfloat16, torch.bfloat16, 8, 128, (8, 2)),
     (torch.bfloat16, torch.bfloat16, 16, 128, (8, 2)),
     (torch.bfloat16, torch.bfloat16, 32, 64, (8, 8)),
+    (torch.bfloat16, torch.bfloat16, 128, 64, (8, 2)),
     (torch.bfloat16, torch.float8_e4m3fn, 16, 128, (8, 2)),
     (torch.bfloat16, torch.float8_e4m3fn, 64, 64, (8, 2)),
+    (torch.bfloat16, torch.float8_e5m2, 32, 80, (8, 2)),
     (torch.float16, torch.float8_e5m2, 8, 128, (8, 2)),
 ]
 
@@ -379,6 +382,24 @@ def test_cpu_plan_of_the_rules():
             assert p["build"] == paged_ops.cpu_kernel_variant(bs, ct)
             assert p["qk_path"] in _plans.QK_PATHS and p["pv_path"] in _plans.PV_PATHS
             assert 1 <= p["blocks_per_group"] <= _plans.MAX_GROUP and p["prefetch"]
+
+
+@pytest.mark.parametrize("variant", ["lanes16_dot"] + [
+    v for v in ("avx512_bf16",) if v in paged_ops.supported_cpu_kernel_variants()])
+def test_rules_take_the_dot_paths_for_bf16_queries(variant):
+    # fp8 caches read with bf16 queries decode to bf16 pairs at every block size of the dot
+    # paths; bf16 caches take p.v by dot products up to 16 lanes' block size, pv_group above it
+    # (Dot stays open to a plan there).
+    table = cpu_variants.table(variant)
+    for bs in (8, 16, 32, 64, 128, 256):
+        for ct in FP8:
+            d = _plans.describe(LIB, table, (torch.bfloat16, ct, bs, 128, 4))
+            assert (d["qk_path"], d["pv_path"]) == ("dot_bf16", "dot"), (bs, ct, d)
+            d = _plans.describe(LIB, table, (torch.float32, ct, bs, 128, 4))
+            assert d["qk_path"] == "fp8_tables" and "dot" not in d["pv_valid"], (bs, ct, d)
+        d = _plans.describe(LIB, table, (torch.bfloat16, torch.bfloat16, bs, 128, 4))
+        assert d["qk_path"] == "dot_bf16" and "dot" in d["pv_valid"], (bs, d)
+        assert d["pv_path"] == ("dot" if bs <= 16 else "group"), (bs, d)
 
 
 def test_bad_knobs_are_rejected():

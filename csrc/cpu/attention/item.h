@@ -43,7 +43,7 @@ struct Scratch {
   LineVector<float> qf;       // [D] one query row in fp32, pre-scaled (to fill qrep)
   LineVector<float> vtmp;     // [kGroup][D * bs] fp32 copies of V blocks, hidden columns zeroed
   LineVector<uint8_t> vraw;   // [kGroup][D * bs] copies of V blocks in the cache's type, ditto
-  LineVector<uint16_t> pdot;  // [R][kGroup][2 W] bf16 probabilities (dot_pv)
+  LineVector<uint16_t> pdot;  // [R][kGroup][max(bs, 2 W)] bf16 probabilities (dot_pv)
   LineVector<SoftmaxState> state;  // [HR] running max and normalizer
   std::vector<int64_t> row_P, row_lo;  // [R] per row: last and first visible position
   std::vector<uint8_t> k_nan;  // [kGroup][bs] per token of a key block: an element is an e4m3 NaN
@@ -202,7 +202,7 @@ struct ItemState {
   }
 
   // A row of pdot: the probability operand of pv_dot_tile for the blocks of a group.
-  int64_t pdot_row() const { return kGroup * 2 * W; }
+  int64_t pdot_row() const { return kGroup * std::max<int64_t>(layout.bs, 2 * W); }
 
   // The AMX query operands of kv head hl (amx_pack_queries): R / 4 quads of D / 8 tiles.
   uint16_t* query_tiles(int64_t hl) {

@@ -37,7 +37,7 @@ enum class PvPath {
   Group,     // pv_group: V rows of 1-3 or a multiple of 4 vectors (block sizes W, 2 W, 3 W, 4k W)
   GroupAny,  // pv_group_any: other block sizes above W (whole or half vectors per V row)
   HalfTile,  // pv_half_tile: block sizes W / 2 and W / 4, 2 or 4 V rows per vector
-  Dot,       // pv_dot_tile: bf16 pair dot products (kDotCache), block sizes W / 2 and W
+  Dot,       // pv_dot_tile: bf16 pair dot products (kDotCache), bs W / 2, W, 2 W, 4k W
   Tiny,      // pv_tiny: staged block sizes below W in decode, V read in place
   RowAny,    // pv_row_any: any block size, V converted to fp32 rows
   Amx,       // amx_pv_group: AMX tiles (with QkPath::Amx)
@@ -79,7 +79,7 @@ struct Layout {
   bool half_rows;  // GroupAny: block sizes (16 lanes) that end half a vector short of one
   int64_t rows_per_vector;  // HalfTile: V rows per vector
   bool lane_acc;  // the p.v sums live in acc between groups (RowAny, Dot, Tiny, or kLaneAcc)
-  int64_t dot_accs;  // Dot: accumulators per query row, D * bs / 2 W
+  int64_t dot_accs;  // Dot: accumulators per query row, D * bs / 2 W (D above 2 W)
   int64_t acc_lanes;  // lanes of acc per row d, summed at the end (sum_lane_groups)
   int64_t acc_len;  // floats of a row of acc that hold sums (what SoftmaxState::step rescales)
   int64_t qk_iters;      // chunk iterations of one q.k tile call
@@ -162,7 +162,7 @@ struct Layout {
     lane_acc = pv == PvPath::Dot || pv == PvPath::Tiny || pv == PvPath::RowAny ||
                pv == PvPath::HalfTile ||
                (group_pv() && keep_lane_sums(W, pv == PvPath::Group ? NV : kAnyLaneNV));
-    acc_lanes = pv == PvPath::Dot ? bs / 2 : pv == PvPath::HalfTile ? bs : W;
+    acc_lanes = pv == PvPath::Dot ? std::min<int64_t>(bs / 2, W) : pv == PvPath::HalfTile ? bs : W;
     if (pv == PvPath::Tiny) {
       acc_lanes = cache_bs;
       tiny_period = cache_bs / std::gcd(cache_bs, W);
@@ -225,8 +225,15 @@ struct Layout {
             rows_max <= 16 && !no_amx && amx::usable();
     sum_blocks = kSumBlockPairs && 2 * bs == W && x_sum <= 4 && !c.amx ? 2 : 1;
     raw_row = std::max(raw_row, round_up(sum_blocks * bs * x_sum, W));
-    c.dot = dot && !c.amx && (bs == W / 2 || bs == W) && D * bs % kDotLoad<CT> == 0;
-    dot_accs = D * bs / (2 * W);
+    // pv_dot_tile's block sizes; fp8 decodes two operands at once (an even number of sums).
+    // Above W, bf16 takes Dot only where a plan forces it: pv_group ran 1.02-1.12x as fast at
+    // block sizes 32-256 (Zen 4), while fp8 ran 1.23-1.45x as fast on Dot.
+    const bool dot_block = bs == W / 2 || bs == W ||
+                           ((bs == 2 * W || bs % (4 * W) == 0) &&
+                            (is_fp8_v<CT> || fpv == static_cast<int>(PvPath::Dot)));
+    dot_accs = bs > 2 * W ? D : D * bs / (2 * W);
+    c.dot = dot && !c.amx && dot_block && D * bs % (2 * W) == 0 &&
+            (!is_fp8_v<CT> || dot_accs % 2 == 0);
     // A plan forcing another open p.v path closes Dot (which closes Group and HalfTile).
     if (fpv >= 0 && fpv != static_cast<int>(PvPath::Dot)) {
       Candidates o = c;

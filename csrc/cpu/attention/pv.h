@@ -449,42 +449,67 @@ inline void pv_tiny(const VT* const* src, const int64_t* off, int64_t n, const f
   for (; a < nvec; ++a) step(a, std::integral_constant<int, 1>{});
 }
 
-// p . v by bf16 pair dot products (Layout::dot_pv, block sizes W / 2 and W) for a tile of RT
-// query rows. A [D][bs] V block (bf16, or fp8 decoded to bf16 pairs by load_pairs2) is read as
-// vectors of 2 W consecutive elements: vector a holds rows [a * 2 W / bs, (a + 1) * 2 W / bs),
-// all of each, and lane j pairs elements 2 j and 2 j + 1 with the matching probabilities of
-// pb[r][k] (the block's bs probabilities once per row, pack_dot_probabilities). Lane j of
-// accumulator a thus sums row d = a * 2 W / bs + j / L (L = bs / 2 lanes per row): flat index
-// d * L + j % L of the row's acc, which is how sum_lane_groups reads it at the end of the
-// item. acc is kept across groups (rescaled by SoftmaxState::step); init: the item's first
-// group (acc is written, not read). One V load feeds RT dot products and one probability load
-// DT; each vector read asks for the same vector of the next block, and k_rest[k] (KREST) steps
-// with it. Steps of 4, 2 and 1 vectors (fp8: an even number, Layout::derive).
+// p . v by bf16 pair dot products (Layout::dot_pv) for a tile of RT query rows, on [D][bs] V
+// blocks (bf16, or fp8 decoded to bf16 pairs by load_pairs2) read as operands of 2 W elements;
+// lane j of an operand pairs its elements 2 j and 2 j + 1 with the matching probabilities of
+// pb[r][k] (the block's probabilities, pack_dot_probabilities). Block sizes:
+// - W / 2, W, 2 W: operand a holds V rows [a * 2 W / bs, (a + 1) * 2 W / bs), all of each, and
+//   is accumulator a's: lane j sums row d = a * 2 W / bs + j / L (L = bs / 2 lanes per row),
+//   flat index d * L + j % L of the row's acc. fp8 decodes operands a and a + 1 at once.
+// - multiples of 4 W: a V row is m = bs / 2 W operands, all accumulator d's (its W lanes), taken
+//   two at a time (fp8: one decode).
+// sum_lane_groups reads acc so at the end of the item. acc is kept across groups (rescaled by
+// SoftmaxState::step); init: the item's first group (acc is written, not read). One V load
+// feeds RT dot products and one probability load DT; each V line read asks for the same line
+// of the next block, and k_rest[k] (KREST) steps with it. Steps of 4, 2 and 1 accumulators
+// (fp8: 2, an even number of them, Layout::derive).
 template <int RT, bool KREST, typename T>
 inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride,
-                        float* acc, int64_t acc_stride, int64_t accs, bool init,
+                        float* acc, int64_t acc_stride, int64_t accs, int64_t bs, bool init,
                         const T* const* next, PrefetchCursor* k_rest) {
-  // Accumulators per step: RT * DT + DT + 1 vectors live, and fp8's 6 table and order vectors.
+  // Accumulators per step: RT * DT + 2 DT + 2 vectors live, and fp8's 6 table and order
+  // vectors (with 4, GCC keeps fp8's sums on the stack).
   constexpr int DT = is_fp8_v<T> ? 2 : 4;
-  constexpr int64_t kVecBytes = 2 * W * static_cast<int64_t>(sizeof(T));
+  constexpr int64_t kOp = 2 * W;  // elements per operand
+  constexpr int64_t kSize = static_cast<int64_t>(sizeof(T));
+  const int64_t m = bs > kOp ? bs / kOp : 1;  // operands per V row
+  const int64_t vrow = m * kOp;                // elements from accumulator a's operands to a + 1's
   auto step = [&](int64_t a0, auto dt_c) {
     constexpr int DTc = decltype(dt_c)::value;
-    static_assert(DTc % 2 == 0 || !is_fp8_v<T>, "fp8 is decoded two vectors at a time");
     VecF s[RT][DTc];
     for (int r = 0; r < RT; ++r)
       for (int u = 0; u < DTc; ++u)
         s[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (a0 + u) * W);
     for (int64_t k = 0; k < nb; ++k) {
       if constexpr (KREST) k_rest[k].step();
-      const char* nx = reinterpret_cast<const char*>(next[k]);
-      for (int64_t i = 0; i < DTc * kVecBytes; i += 64) prefetch_l2(nx + a0 * kVecBytes + i);
-      BF16Pairs v[DTc];
-      const T* vk = src[k] + a0 * 2 * W;
-      for (int u = 0; u + 1 < DTc; u += 2) load_pairs2(vk + u * 2 * W, v[u], v[u + 1]);
-      if constexpr (DTc % 2 == 1) v[DTc - 1] = load_pairs(vk + (DTc - 1) * 2 * W);
-      for (int r = 0; r < RT; ++r) {
-        const BF16Pairs p = pairs_in_register(load_pairs(pb + r * pb_stride + k * 2 * W));
-        for (int u = 0; u < DTc; ++u) s[r][u] = dot_pairs(s[r][u], v[u], p);
+      const char* nx = reinterpret_cast<const char*>(next[k] + a0 * vrow);
+      const T* vk = src[k] + a0 * vrow;
+      const uint16_t* pk = pb + k * vrow;
+      if (m == 1) {
+        static_assert(DTc % 2 == 0 || !is_fp8_v<T>, "fp8 is decoded two operands at a time");
+        for (int64_t i = 0; i < DTc * kOp * kSize; i += 64) prefetch_l2(nx + i);
+        BF16Pairs v[DTc];
+        for (int u = 0; u + 1 < DTc; u += 2) load_pairs2(vk + u * kOp, v[u], v[u + 1]);
+        if constexpr (DTc % 2 == 1) v[DTc - 1] = load_pairs(vk + (DTc - 1) * kOp);
+        for (int r = 0; r < RT; ++r) {
+          const BF16Pairs p = pairs_in_register(load_pairs(pk + r * pb_stride));
+          for (int u = 0; u < DTc; ++u) s[r][u] = dot_pairs(s[r][u], v[u], p);
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < m; i += 2) {
+        BF16Pairs v0[DTc], v1[DTc];
+        for (int u = 0; u < DTc; ++u) {
+          for (int64_t b = 0; b < 2 * kOp * kSize; b += 64)
+            prefetch_l2(nx + (u * vrow + i * kOp) * kSize + b);
+          load_pairs2(vk + u * vrow + i * kOp, v0[u], v1[u]);
+        }
+        for (int r = 0; r < RT; ++r) {
+          const BF16Pairs p0 = pairs_in_register(load_pairs(pk + r * pb_stride + i * kOp));
+          const BF16Pairs p1 = pairs_in_register(load_pairs(pk + r * pb_stride + (i + 1) * kOp));
+          for (int u = 0; u < DTc; ++u)
+            s[r][u] = dot_pairs(dot_pairs(s[r][u], v0[u], p0), v1[u], p1);
+        }
       }
     }
     for (int r = 0; r < RT; ++r)
@@ -506,11 +531,11 @@ template <bool KREST, typename T>
 [[gnu::flatten]] __attribute__((noinline)) int64_t pv_dot_tiles(
     const T* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride, float* acc,
     int64_t acc_stride, int64_t accs, bool init, const T* const* next, PrefetchCursor* k_rest,
-    int64_t R) {
+    int64_t R, int64_t bs) {
   int64_t r = 0;
   for (; r + 4 <= R; r += 4)
     pv_dot_tile<4, KREST>(src, nb, pb + r * pb_stride, pb_stride, acc + r * acc_stride,
-                          acc_stride, accs, init, next, k_rest);
+                          acc_stride, accs, bs, init, next, k_rest);
   return r;
 }
 
@@ -518,8 +543,9 @@ template <bool KREST, typename T>
 inline int64_t pv_dot_steps(int64_t accs) { return accs / 4 + accs % 4 / 2 + accs % 2; }
 
 // The probability operand of pv_dot_tile for rows [0, R) and blocks [0, nb) of a group (p:
-// rows p_stride apart, blocks block_row apart, bs <= block_row): out[r * out_stride + k * 2 W
-// + j] = p[r][k][j % bs], rounded to bf16 (to nearest even, as for AMX tiles).
+// rows p_stride apart, blocks block_row apart, bs <= block_row), rounded to bf16 (to nearest
+// even, as for AMX tiles): block k's at out[r * out_stride + k * n], n = max(bs, 2 W) values,
+// out[... + j] = p[r][k][j % bs].
 inline void pack_dot_probabilities(const float* p, int64_t p_stride, int64_t block_row,
                                    int64_t R, int64_t nb, int64_t bs, uint16_t* out,
                                    int64_t out_stride) {
@@ -527,10 +553,18 @@ inline void pack_dot_probabilities(const float* p, int64_t p_stride, int64_t blo
     constexpr int64_t len = decltype(len_c)::value;
     std::memcpy(d + len, d, len * sizeof(uint16_t));
   };
+  const int64_t n = std::max<int64_t>(bs, 2 * W);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t k = 0; k < nb; ++k) {
       const float* src = p + r * p_stride + k * block_row;
-      uint16_t* dst = out + r * out_stride + k * 2 * W;
+      uint16_t* dst = out + r * out_stride + k * n;
+      if (bs >= 2 * W) {  // multiples of 2 W
+        for (int64_t j = 0; j < bs; j += 2 * W)
+          at::vec::convert_from_float<c10::BFloat16>(VecF::loadu(src + j),
+                                                     VecF::loadu(src + j + W))
+              .store(dst + j);
+        continue;
+      }
       at::vec::convert_from_float<c10::BFloat16>(VecF::loadu(src), VecF(0.f)).store(dst);
       for (int64_t len = bs; len < 2 * W; len *= 2) {  // bs: 8 or 16
         if (len == 8) twice(dst, std::integral_constant<int64_t, 8>{});

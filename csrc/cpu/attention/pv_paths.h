@@ -110,7 +110,7 @@ inline void pv_path_dot(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
   if constexpr (kDotCache<CT>) {
     constexpr bool kSplit = ItemState<CT>::kSplitKeyPrefetch;
     const Layout<CT>& layout = w.layout;
-    const int64_t R = w.R, acc_row = layout.acc_row, accs = layout.dot_accs;
+    const int64_t R = w.R, acc_row = layout.acc_row, accs = layout.dot_accs, bs = layout.bs;
     float* const acc_h = acc_rows(w, hl);
     const CT* src[kGroup];
     v_blocks_own(w, nb, g, src);
@@ -121,13 +121,13 @@ inline void pv_path_dot(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
     int64_t r = 0;
     if (R > 4)
       r = pv_dot_tiles<kSplit>(src, nb, pd, pd_row, acc_h, acc_row, accs, first, g.v_next,
-                               w.k_rest, R);
+                               w.k_rest, R, bs);
     for (; r + 4 <= R; r += 4)
       pv_dot_tile<4, kSplit>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row, acc_row,
-                             accs, first, g.v_next, w.k_rest);
+                             accs, bs, first, g.v_next, w.k_rest);
     for (; r < R; ++r)
       pv_dot_tile<1, kSplit>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row, acc_row,
-                             accs, first, g.v_next, w.k_rest);
+                             accs, bs, first, g.v_next, w.k_rest);
   }
 }
 
