@@ -462,8 +462,9 @@ inline void pv_tiny(const VT* const* src, const int64_t* off, int64_t n, const f
 // SoftmaxState::step); init: the item's first group (acc is written, not read). One V load
 // feeds RT dot products and one probability load DT; each V line read asks for the same line
 // of the next block, and k_rest[k] (KREST) steps with it. Steps of 4, 2 and 1 accumulators
-// (fp8: 2, an even number of them, Layout::derive).
-template <int RT, bool KREST, typename T>
+// (fp8: 2, an even number of them, Layout::derive). MULTI: bs > 2 W, a compile-time choice (as
+// a run-time one, bf16 at block size 16 ran 0.86-0.91x).
+template <int RT, bool KREST, bool MULTI, typename T>
 inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride,
                         float* acc, int64_t acc_stride, int64_t accs, int64_t bs, bool init,
                         const T* const* next, PrefetchCursor* k_rest) {
@@ -472,8 +473,8 @@ inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int
   constexpr int DT = is_fp8_v<T> ? 2 : 4;
   constexpr int64_t kOp = 2 * W;  // elements per operand
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(T));
-  const int64_t m = bs > kOp ? bs / kOp : 1;  // operands per V row
-  const int64_t vrow = m * kOp;                // elements from accumulator a's operands to a + 1's
+  const int64_t m = MULTI ? bs / kOp : 1;  // operands per V row
+  const int64_t vrow = m * kOp;            // elements from accumulator a's operands to a + 1's
   auto step = [&](int64_t a0, auto dt_c) {
     constexpr int DTc = decltype(dt_c)::value;
     VecF s[RT][DTc];
@@ -485,7 +486,7 @@ inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int
       const char* nx = reinterpret_cast<const char*>(next[k] + a0 * vrow);
       const T* vk = src[k] + a0 * vrow;
       const uint16_t* pk = pb + k * vrow;
-      if (m == 1) {
+      if constexpr (!MULTI) {
         static_assert(DTc % 2 == 0 || !is_fp8_v<T>, "fp8 is decoded two operands at a time");
         for (int64_t i = 0; i < DTc * kOp * kSize; i += 64) prefetch_l2(nx + i);
         BF16Pairs v[DTc];
@@ -495,20 +496,20 @@ inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int
           const BF16Pairs p = pairs_in_register(load_pairs(pk + r * pb_stride));
           for (int u = 0; u < DTc; ++u) s[r][u] = dot_pairs(s[r][u], v[u], p);
         }
-        continue;
-      }
-      for (int64_t i = 0; i < m; i += 2) {
-        BF16Pairs v0[DTc], v1[DTc];
-        for (int u = 0; u < DTc; ++u) {
-          for (int64_t b = 0; b < 2 * kOp * kSize; b += 64)
-            prefetch_l2(nx + (u * vrow + i * kOp) * kSize + b);
-          load_pairs2(vk + u * vrow + i * kOp, v0[u], v1[u]);
-        }
-        for (int r = 0; r < RT; ++r) {
-          const BF16Pairs p0 = pairs_in_register(load_pairs(pk + r * pb_stride + i * kOp));
-          const BF16Pairs p1 = pairs_in_register(load_pairs(pk + r * pb_stride + (i + 1) * kOp));
-          for (int u = 0; u < DTc; ++u)
-            s[r][u] = dot_pairs(dot_pairs(s[r][u], v0[u], p0), v1[u], p1);
+      } else {
+        for (int64_t i = 0; i < m; i += 2) {
+          BF16Pairs v0[DTc], v1[DTc];
+          for (int u = 0; u < DTc; ++u) {
+            for (int64_t b = 0; b < 2 * kOp * kSize; b += 64)
+              prefetch_l2(nx + (u * vrow + i * kOp) * kSize + b);
+            load_pairs2(vk + u * vrow + i * kOp, v0[u], v1[u]);
+          }
+          for (int r = 0; r < RT; ++r) {
+            const BF16Pairs p0 = pairs_in_register(load_pairs(pk + r * pb_stride + i * kOp));
+            const BF16Pairs p1 = pairs_in_register(load_pairs(pk + r * pb_stride + (i + 1) * kOp));
+            for (int u = 0; u < DTc; ++u)
+              s[r][u] = dot_pairs(dot_pairs(s[r][u], v0[u], p0), v1[u], p1);
+          }
         }
       }
     }
@@ -527,14 +528,14 @@ inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int
 // tile of a kv head is, causal bf16 prefill (block size 16, head sizes 64 and 128, one thread,
 // Zen 4) ran 0.75-0.80x of this; the loop inlined into the kernel's group step instead of
 // here, decode at block sizes 8 and 16 0.88-0.97x.
-template <bool KREST, typename T>
+template <bool KREST, bool MULTI, typename T>
 [[gnu::flatten]] __attribute__((noinline)) int64_t pv_dot_tiles(
     const T* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride, float* acc,
     int64_t acc_stride, int64_t accs, bool init, const T* const* next, PrefetchCursor* k_rest,
     int64_t R, int64_t bs) {
   int64_t r = 0;
   for (; r + 4 <= R; r += 4)
-    pv_dot_tile<4, KREST>(src, nb, pb + r * pb_stride, pb_stride, acc + r * acc_stride,
+    pv_dot_tile<4, KREST, MULTI>(src, nb, pb + r * pb_stride, pb_stride, acc + r * acc_stride,
                           acc_stride, accs, bs, init, next, k_rest);
   return r;
 }

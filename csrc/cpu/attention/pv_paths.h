@@ -118,16 +118,21 @@ inline void pv_path_dot(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
     const int64_t pd_row = w.pdot_row();
     pack_dot_probabilities(w.scratch.p.data(), layout.group_row, layout.block_row, R, nb,
                            layout.bs, pd, pd_row);
-    int64_t r = 0;
-    if (R > 4)
-      r = pv_dot_tiles<kSplit>(src, nb, pd, pd_row, acc_h, acc_row, accs, first, g.v_next,
-                               w.k_rest, R, bs);
-    for (; r + 4 <= R; r += 4)
-      pv_dot_tile<4, kSplit>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row, acc_row,
-                             accs, bs, first, g.v_next, w.k_rest);
-    for (; r < R; ++r)
-      pv_dot_tile<1, kSplit>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row, acc_row,
-                             accs, bs, first, g.v_next, w.k_rest);
+    auto tiles = [&](auto multi) {
+      constexpr bool M = decltype(multi)::value;
+      int64_t r = 0;
+      if (R > 4)
+        r = pv_dot_tiles<kSplit, M>(src, nb, pd, pd_row, acc_h, acc_row, accs, first, g.v_next,
+                                    w.k_rest, R, bs);
+      for (; r + 4 <= R; r += 4)
+        pv_dot_tile<4, kSplit, M>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row,
+                                  acc_row, accs, bs, first, g.v_next, w.k_rest);
+      for (; r < R; ++r)
+        pv_dot_tile<1, kSplit, M>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row,
+                                  acc_row, accs, bs, first, g.v_next, w.k_rest);
+    };
+    if (bs > 2 * W) tiles(std::true_type{});
+    else tiles(std::false_type{});
   }
 }
 
