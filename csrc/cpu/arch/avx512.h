@@ -104,8 +104,9 @@ C10_ALWAYS_INLINE void decode_fp8_two(const uint8_t* b, VecF& lo, VecF& hi) {
 // interleaves into bf16 words, and a shift or a mask per vector puts each word in the top half
 // of an fp32 lane: 9 instructions per 64 values (about 13 uops if vpermi2b takes 3), against
 // 4-5 per 16 for the fp16 route above, and NaN stays NaN.
-// q.k takes it (QkPath::Fp8Tables); p.v, whose decode feeds as many FMAs, gains nothing from
-// it over decode_fp8_two (docs/cpu_kernel.md, alternatives).
+// q.k of fp32 and fp16 queries takes it (QkPath::Fp8Tables); their p.v, whose decode feeds as
+// many FMAs, gains nothing from it over decode_fp8_two (docs/cpu_kernel.md, alternatives).
+// bf16 queries read fp8 as bf16 pairs (decode_fp8_pairs, below).
 using portable::kFp8Tables;
 using portable::kFp8TableOrder;
 #if defined(__AVX512VBMI__)
