@@ -97,6 +97,13 @@ constexpr Fp8Bf16Tables make_fp8_bf16_tables() {
 }
 template <typename T>
 inline constexpr Fp8Bf16Tables kFp8Bf16Tables = make_fp8_bf16_tables<T>();
+// The bf16 bits of fp8 byte b, in the kernel's units, by the tables: the scalar form of the
+// vector lookups (portable decode_fp8_by_tables and decode_fp8_pairs).
+template <typename T>
+inline uint16_t fp8_bf16_word(uint8_t b) {
+  const Fp8Bf16Tables& t = kFp8Bf16Tables<T>;
+  return static_cast<uint16_t>(((t.hi[b & 0x7F] | (b & 0x80)) << 8) | t.lo[b & 0x7F]);
+}
 // 2^-9 / 2^8 (e4m3's smallest subnormal, in units of 2^-8) and 448 / 2^8; e5m2's 2^-16, 57344.
 static_assert(fp8_bf16_bits<c10::Float8_e4m3fn>(0x01) == ((127 - 17) << 7));
 static_assert(fp8_bf16_bits<c10::Float8_e4m3fn>(0x7E) == (((127 + 0) << 7) | 0x60));

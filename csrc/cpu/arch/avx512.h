@@ -110,17 +110,21 @@ C10_ALWAYS_INLINE void decode_fp8_two(const uint8_t* b, VecF& lo, VecF& hi) {
 using portable::kFp8Tables;
 using portable::kFp8TableOrder;
 #if defined(__AVX512VBMI__)
+// The high (sign included) and the low bytes of the bf16 of the 64 fp8 bytes of x.
 template <typename T>
-C10_ALWAYS_INLINE void decode_fp8_by_tables(const uint8_t* b, VecF (&out)[4]) {
+C10_ALWAYS_INLINE void fp8_bf16_bytes(__m512i x, __m512i& hi, __m512i& lo) {
   const Fp8Bf16Tables& t = kFp8Bf16Tables<T>;
-  const __m512i x = _mm512_loadu_si512(b);
   const __m512i hi7 = _mm512_permutex2var_epi8(_mm512_load_si512(t.hi), x,
                                                _mm512_load_si512(t.hi + 64));
   // hi7 | (x & 0x80)
-  const __m512i hi = _mm512_ternarylogic_epi32(hi7, x, _mm512_set1_epi8(static_cast<char>(0x80)),
-                                               0xF8);
-  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), x,
-                                              _mm512_load_si512(t.lo + 64));
+  hi = _mm512_ternarylogic_epi32(hi7, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), x, _mm512_load_si512(t.lo + 64));
+}
+
+template <typename T>
+C10_ALWAYS_INLINE void decode_fp8_by_tables(const uint8_t* b, VecF (&out)[4]) {
+  __m512i hi, lo;
+  fp8_bf16_bytes<T>(_mm512_loadu_si512(b), hi, lo);
   const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   out[0] = VecF(_mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)));
@@ -155,25 +159,20 @@ using portable::load_pairs;
 using portable::pairs_in_register;
 #endif
 
-// decode_fp8_pairs (portable.h's contract): decode_fp8_by_tables' lookups on bytes first put in
+// decode_fp8_pairs (portable.h's contract): fp8_bf16_bytes on bytes first put in
 // the order (one vpermb) whose interleaves leave the values in order: byte 16 L + j takes byte
 // 8 L + j, byte 16 L + 8 + j byte 32 + 8 L + j (L < 4, j < 8). 7 instructions per 64 values.
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 template <typename T>
 C10_ALWAYS_INLINE void decode_fp8_pairs(const uint8_t* b, BF16Pairs& lo, BF16Pairs& hi) {
-  const Fp8Bf16Tables& t = kFp8Bf16Tables<T>;
   alignas(64) static constexpr uint8_t kOrder[64] = {
       0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39,
       8,  9,  10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
       16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,
       24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
-  const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(kOrder), _mm512_loadu_si512(b));
-  const __m512i hi7 = _mm512_permutex2var_epi8(_mm512_load_si512(t.hi), x,
-                                               _mm512_load_si512(t.hi + 64));
-  const __m512i h = _mm512_ternarylogic_epi32(hi7, x, _mm512_set1_epi8(static_cast<char>(0x80)),
-                                              0xF8);  // hi7 | (x & 0x80)
-  const __m512i l = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), x,
-                                             _mm512_load_si512(t.lo + 64));
+  __m512i h, l;
+  fp8_bf16_bytes<T>(_mm512_permutexvar_epi8(_mm512_load_si512(kOrder), _mm512_loadu_si512(b)),
+                    h, l);
   lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(l, h));
   hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(l, h));
 }

@@ -63,15 +63,12 @@ constexpr int kFp8TableOrder[4] = {0, 1, 8, 9};
 template <typename T>
 C10_ALWAYS_INLINE void decode_fp8_by_tables(const uint8_t* b, VecF (&out)[4]) {
   static_assert(sizeof(T) == 1 && W == 16, "decode_fp8_by_tables is written for 16 lanes");
-  const Fp8Bf16Tables& t = kFp8Bf16Tables<T>;
   for (int h = 0; h < 4; ++h) {
     float v[W];
     for (int L = 0; L < 4; ++L)
       for (int j = 0; j < 4; ++j) {
         const uint8_t x = b[16 * L + kFp8TableOrder[h] + 2 * j];
-        const uint32_t bits = (static_cast<uint32_t>(t.hi[x & 0x7F] | (x & 0x80)) << 24) |
-                              (static_cast<uint32_t>(t.lo[x & 0x7F]) << 16);
-        v[4 * L + j] = c10::bit_cast<float>(bits);
+        v[4 * L + j] = c10::bit_cast<float>(static_cast<uint32_t>(fp8_bf16_word<T>(x)) << 16);
       }
     out[h] = VecF::loadu(v);
   }
@@ -120,10 +117,8 @@ inline BF16Pairs pairs_in_register(const BF16Pairs& v) { return v; }
 template <typename T>
 C10_ALWAYS_INLINE void decode_fp8_pairs(const uint8_t* b, BF16Pairs& lo, BF16Pairs& hi) {
   static_assert(sizeof(T) == 1 && W == 16, "decode_fp8_pairs is written for 16 lanes");
-  const Fp8Bf16Tables& t = kFp8Bf16Tables<T>;
   uint16_t v[4 * W];
-  for (int64_t i = 0; i < 4 * W; ++i)
-    v[i] = static_cast<uint16_t>(((t.hi[b[i] & 0x7F] | (b[i] & 0x80)) << 8) | t.lo[b[i] & 0x7F]);
+  for (int64_t i = 0; i < 4 * W; ++i) v[i] = fp8_bf16_word<T>(b[i]);
   lo = load_pairs(v);
   hi = load_pairs(v + 2 * W);
 }
