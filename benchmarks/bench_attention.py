@@ -101,6 +101,23 @@ def time_rotating(fn, n, device, min_time=0.3, min_reps=3):
     return statistics.median(per_call)
 
 
+def probe_buffer(gib):
+    """``gib`` GiB of fp32 ones for the read-bandwidth probe, on huge pages where the caches
+    are (paged_ops.allocate_kv_cache): with 4 KiB pages the probe reads slower than memory
+    allows, and the roofline with it."""
+    big = torch.empty(max(1 << 10, int(gib * (1 << 30)) // 4), dtype=torch.float32)
+    paged_ops.advise_huge_pages(big)
+    return big.fill_(1.0)
+
+
+def copy_caches(kc, vc):
+    """A copy of a layer's caches allocated as the caches are (huge pages)."""
+    k, v = torch.empty_like(kc), torch.empty_like(vc)
+    for t in (k, v):
+        paged_ops.advise_huge_pages(t)
+    return k.copy_(kc), v.copy_(vc)
+
+
 def read_bandwidth_gbs(device, gib=1.0):
     """Read bandwidth by a reduction over ``gib`` GiB (CPU), or the device's published peak
     (CUDA). On a CPU the buffer must dwarf the last-level cache (hundreds of MiB on server
@@ -113,8 +130,8 @@ def read_bandwidth_gbs(device, gib=1.0):
         big = torch.empty(1 << 28, dtype=torch.float32, device=device)
         t = timeit(lambda: big.sum(), device)
         return big.numel() * 4 / t / 1e9, "measured torch.sum"
-    n = max(1 << 10, int(gib * (1 << 30)) // 4)
-    big = torch.ones(n, dtype=torch.float32)
+    big = probe_buffer(gib)
+    n = big.numel()
     t = timeit(lambda: big.sum(), device, min_time=1.0 if gib >= 0.5 else 0.05)
     return n * 4 / t / 1e9, f"measured torch.sum over {n * 4 / (1 << 30):.2f} GiB"
 
@@ -209,7 +226,7 @@ class LayerCaches:
         n = max(1, math.ceil(cache_bytes / self.layer_bytes))
         self.layers = [(kc, vc)]
         for _ in range(n - 1):
-            self.layers.append((kc.clone(), vc.clone()))
+            self.layers.append(copy_caches(kc, vc))
         self.ks, self.vs = kv_scales(kc)
 
     @property

@@ -80,7 +80,7 @@ def layers(B, L, H, Hkv, D, bs, dtype, gib):
     q, kc, vc, bt, sl = ba.make_case(B, L, H, Hkv, D, bs, dtype, "cpu")
     per = 2 * kc.numel() * kc.element_size()
     n = max(2, math.ceil(gib * 2**30 / per))
-    caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(n - 1)]
+    caches = [(kc, vc)] + [ba.copy_caches(kc, vc) for _ in range(n - 1)]
     return q, caches, bt, sl, 2 * B * L * Hkv * D * kc.element_size()
 
 
@@ -102,7 +102,7 @@ def main(argv=None):
     D = 128
     kernels = kernel_tables(args.kernels)
     before = "selected"
-    big = torch.ones(int(args.gib * 2**30) // 4, dtype=torch.float32)
+    big = ba.probe_buffer(args.gib)
     print(f"{args.threads} threads, {H}q/{Hkv}kv, head size {D}, caches cycled over >= "
           f"{args.gib} GiB; median of {args.reps} interleaved rounds; x: time of the first "
           f"kernel / this kernel's", flush=True)

@@ -21,6 +21,7 @@ from . import (
     _plans,
 )
 from ._api import (
+    advise_huge_pages,
     allocate_kv_cache,
     copy_blocks,
     merge_attention_states,
@@ -35,6 +36,7 @@ __all__ = [
     "BlockManager",
     "BlockManagerStats",
     "OutOfBlocks",
+    "advise_huge_pages",
     "allocate_kv_cache",
     "built_with_cuda",
     "copy_blocks",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
+    "advise_huge_pages",
     "allocate_kv_cache",
     "copy_blocks",
     "merge_attention_states",
@@ -22,15 +25,54 @@ def cache_x(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_madvise = None
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back the whole 2 MiB pages inside a CPU tensor's memory with transparent
+    huge pages (``madvise(MADV_HUGEPAGE)``); returns whether the advice was taken. Pages
+    touched before the call keep their 4 KiB pages, so call it on fresh memory
+    (``torch.empty``). Attention reads cache blocks scattered over the whole cache: with 4 KiB
+    pages nearly every block starts with a TLB miss (a two-level page walk in a VM), and the
+    hardware prefetchers stop at each page's end."""
+    global _madvise
+    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return False
+    try:
+        start = t.data_ptr()
+        nbytes = t.untyped_storage().nbytes()
+    except RuntimeError:  # fake or meta tensors: no memory
+        return False
+    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    hi = (start + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if hi <= lo:
+        return False
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            fn = False
+        else:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        _madvise = fn
+    return bool(_madvise) and _madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+
+
 def allocate_kv_cache(num_blocks: int, num_kv_heads: int, head_size: int, block_size: int,
                       dtype: torch.dtype = torch.float16,
-                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                      device: torch.device | str = "cpu", *,
+                      huge_pages: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate one layer's paged KV cache in the layouts of docs/design.md, section 2.
 
     Returns ``(key_cache, value_cache)`` of shapes
     ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and
     ``[num_blocks, num_kv_heads, head_size, block_size]`` with ``x = 16 // element_size``.
     The memory is uninitialised: slots that were never written are never read by the ops.
+    On the CPU (Linux), ``huge_pages`` backs the caches with transparent huge pages where the
+    system allows them (:func:`advise_huge_pages`).
     """
     x = cache_x(dtype)
     for name, v in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads),
@@ -43,6 +85,9 @@ def allocate_kv_cache(num_blocks: int, num_kv_heads: int, head_size: int, block_
                             dtype=dtype, device=device)
     value_cache = torch.empty((num_blocks, num_kv_heads, head_size, block_size),
                               dtype=dtype, device=device)
+    if huge_pages:
+        advise_huge_pages(key_cache)
+        advise_huge_pages(value_cache)
     return key_cache, value_cache
 
 

@@ -109,7 +109,7 @@ def test_peer_vllm_cpu_table_and_fp8_reference():
 def test_benchmark_scripts_print_their_help():
     # argparse formats help strings with %: a stray one fails --help (and every run) at once.
     for name in ("bench_attention", "bench_cache_write", "bench_block_manager", "kernel_phases",
-                 "ab_kernels", "cpu_grid", "bench_prefill"):
+                 "ab_kernels", "cpu_grid", "bench_prefill", "huge_pages"):
         run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"),
                               "--help"], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and "usage" in run.stdout, (name, run.stderr[-2000:])

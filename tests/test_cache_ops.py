@@ -2,6 +2,8 @@
 parameter also run on CUDA, there too against the reference only; CUDA-only ones:
 test_cuda.py)."""
 
+import os
+
 import pytest
 import torch
 
@@ -198,3 +200,36 @@ def test_swap_blocks_strided_layer_views():
     paged_ops.swap_blocks(pool[:, 1], dst_pool[:, 0], torch.tensor([[4, 2]]))
     assert torch.equal(dst_pool[2, 0], pool[4, 1])
     assert (dst_pool[:, 1] == 0).all() and (dst_pool[:2] == 0).all()
+
+
+def _vm_flags(addr):
+    """The VmFlags of the mapping of this process that holds address ``addr``."""
+    lo = hi = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+            elif line.startswith("VmFlags:") and lo <= addr < hi:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="no transparent huge pages (not Linux, or not built in)")
+def test_allocate_kv_cache_asks_for_huge_pages():
+    # 36 MiB per cache: above glibc's largest mmap threshold, so each is a mapping of its own.
+    n = 36 << 20
+    kc, vc = paged_ops.allocate_kv_cache(n // (8 * 128 * 16 * 4), 8, 128, 16, torch.float32)
+    for c in (kc, vc):
+        assert "hg" in _vm_flags(c.data_ptr() + n // 2)
+    plain, _ = paged_ops.allocate_kv_cache(n // (8 * 128 * 16 * 4), 8, 128, 16, torch.float32,
+                                           huge_pages=False)
+    assert "hg" not in _vm_flags(plain.data_ptr() + n // 2)
+    # Tensors without whole 2 MiB pages, or without memory, are left alone.
+    assert not paged_ops.advise_huge_pages(torch.empty(100))
+    assert not paged_ops.advise_huge_pages(torch.empty(n, device="meta"))
+    # The caches work as ever.
+    kc.zero_()
+    paged_ops.copy_blocks([kc], [vc], [(0, 1)])
+    assert (kc[1] == 0).all()
