@@ -5,12 +5,15 @@
 // in address order.
 //
 //   g++ -O3 -mavx2 -fopenmp benchmarks/scattered_read.cpp -o /tmp/scattered_read
-//   OMP_NUM_THREADS=2 /tmp/scattered_read
+//   OMP_NUM_THREADS=2 /tmp/scattered_read          # 4 KiB pages
+//   OMP_NUM_THREADS=2 /tmp/scattered_read huge     # transparent huge pages (Linux), as
+//                                                  # paged_ops.allocate_kv_cache asks for
 //
 // One head of one block of the cache is head_size * block_size * element bytes (8 KiB for fp32,
 // 4 KiB for 16-bit at head size 128, block size 16); all kv heads of a block are contiguous.
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -35,9 +38,11 @@ static float sum_runs(const char* const* runs, size_t n, size_t run_bytes, bool 
   return s[0] + s[7];
 }
 
-int main() {
+int main(int argc, char** argv) {
   const size_t total = size_t(1) << 30;
-  char* buf = static_cast<char*>(std::aligned_alloc(4096, total));
+  char* buf = static_cast<char*>(std::aligned_alloc(2 << 20, total));
+  const bool huge = argc > 1 && std::strcmp(argv[1], "huge") == 0;
+  if (huge && madvise(buf, total, MADV_HUGEPAGE) != 0) std::perror("madvise");
   std::memset(buf, 1, total);  // touch every page before timing
   const int threads = omp_get_max_threads();
   auto gbs = [&](size_t run_bytes, bool shuffled, bool prefetch) {
@@ -59,7 +64,7 @@ int main() {
     }
     return double(per * threads * run_bytes) / best / 1e9;
   };
-  std::printf("%d threads, GB/s\n", threads);
+  std::printf("%d threads, %s pages, GB/s\n", threads, huge ? "huge" : "4 KiB");
   std::printf("%10s %12s %12s\n", "run", "no prefetch", "prefetch");
   // From 256 B: one kv head of one block at block sizes 1-4 (head size 128, 16-bit or fp32).
   for (size_t bytes : {256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072})
