@@ -226,10 +226,11 @@ struct Layout {
     sum_blocks = kSumBlockPairs && 2 * bs == W && x_sum <= 4 && !c.amx ? 2 : 1;
     raw_row = std::max(raw_row, round_up(sum_blocks * bs * x_sum, W));
     // pv_dot_tile's block sizes; fp8 decodes two operands at once (an even number of sums).
-    // Above W, bf16 takes Dot only where a plan forces it: pv_group ran 1.02-1.12x as fast at
-    // block sizes 32-256 (Zen 4), while fp8 ran 1.23-1.45x as fast on Dot.
-    const bool dot_block = bs == W / 2 || bs == W ||
-                           ((bs == 2 * W || bs % (4 * W) == 0) &&
+    // From W up, bf16 takes Dot only where a plan forces it: pv_group ran 1.04-1.05x as fast
+    // at block size 16 and 1.02-1.12x at 32-256 (Zen 4), while fp8 ran 1.23-1.50x as fast on
+    // Dot.
+    const bool dot_block = bs == W / 2 ||
+                           ((bs == W || bs == 2 * W || bs % (4 * W) == 0) &&
                             (is_fp8_v<CT> || fpv == static_cast<int>(PvPath::Dot)));
     dot_accs = bs > 2 * W ? D : D * bs / (2 * W);
     c.dot = dot && !c.amx && dot_block && D * bs % (2 * W) == 0 &&
