@@ -101,20 +101,22 @@ def time_rotating(fn, n, device, min_time=0.3, min_reps=3):
     return statistics.median(per_call)
 
 
-def probe_buffer(gib):
-    """``gib`` GiB of fp32 ones for the read-bandwidth probe, on huge pages where the caches
-    are (paged_ops.allocate_kv_cache): with 4 KiB pages the probe reads slower than memory
-    allows, and the roofline with it."""
+def probe_buffer(gib, huge_pages=True):
+    """``gib`` GiB of fp32 ones for the read-bandwidth probe, on huge pages as the caches are
+    (paged_ops.allocate_kv_cache): with 4 KiB pages the probe reads slower than memory allows,
+    and the roofline with it."""
     big = torch.empty(max(1 << 10, int(gib * (1 << 30)) // 4), dtype=torch.float32)
-    paged_ops.advise_huge_pages(big)
+    if huge_pages:
+        paged_ops.advise_huge_pages(big)
     return big.fill_(1.0)
 
 
-def copy_caches(kc, vc):
-    """A copy of a layer's caches allocated as the caches are (huge pages)."""
+def copy_caches(kc, vc, huge_pages=True):
+    """A copy of a layer's caches allocated as allocate_kv_cache allocates them."""
     k, v = torch.empty_like(kc), torch.empty_like(vc)
     for t in (k, v):
-        paged_ops.advise_huge_pages(t)
+        if huge_pages:
+            paged_ops.advise_huge_pages(t)
     return k.copy_(kc), v.copy_(vc)
 
 
@@ -211,14 +213,15 @@ def make_case(batch, ctx, num_heads, num_kv_heads, head_size, block_size, dtype,
 class LayerCaches:
     """Copies of one layer's K/V caches, ``num_blocks`` blocks each, as many as it takes to
     total at least ``cache_bytes`` (at least one). All copies hold the same random values; the
-    first is filled from a seeded generator, the others copied from it."""
+    first is filled from a seeded generator, the others copied from it. ``huge_pages``: as
+    paged_ops.allocate_kv_cache's."""
 
     def __init__(self, num_blocks, num_kv_heads, head_size, block_size, dtype, device,
-                 cache_bytes, seed=0):
+                 cache_bytes, seed=0, huge_pages=True):
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         g = torch.Generator().manual_seed(seed)
         kc, vc = paged_ops.allocate_kv_cache(num_blocks, num_kv_heads, head_size, block_size,
-                                             dtype, device)
+                                             dtype, device, huge_pages=huge_pages)
         # randn in fp32 then cast: the same values (up to rounding) in every dtype.
         kc.copy_(torch.randn(kc.shape, generator=g).to(dtype))
         vc.copy_(torch.randn(vc.shape, generator=g).to(dtype))
@@ -226,7 +229,7 @@ class LayerCaches:
         n = max(1, math.ceil(cache_bytes / self.layer_bytes))
         self.layers = [(kc, vc)]
         for _ in range(n - 1):
-            self.layers.append(copy_caches(kc, vc))
+            self.layers.append(copy_caches(kc, vc, huge_pages))
         self.ks, self.vs = kv_scales(kc)
 
     @property

@@ -1,7 +1,7 @@
 """Decode on caches backed by huge pages against plain 4 KiB pages, on the CPU.
 
-Two sets of layer copies, each totalling >= ``--gib`` GiB: one from
-``paged_ops.allocate_kv_cache(..., huge_pages=True)`` (the default), one with
+Two sets of layer copies (bench_attention.LayerCaches), each totalling >= ``--gib`` GiB: one
+from ``paged_ops.allocate_kv_cache(..., huge_pages=True)`` (the default), one with
 ``huge_pages=False``. Calls alternate between the sets, the order swapped every call, so both
 see the same moments of a noisy machine; each row gives both times per call and their ratio
 (total, and the median of per-call ratios). ``--control`` gives both sets plain pages: the
@@ -48,21 +48,6 @@ def alternate(calls, seconds):
     return [x / n for x in tot], statistics.median(ratios)
 
 
-def cache_sets(B, L, Hkv, D, bs, dtype, gib, control):
-    nb = B * ((L + bs - 1) // bs) + 64
-    per = 2 * nb * Hkv * D * bs * dtype.itemsize
-    sets = []
-    for huge in (False, not control):
-        layers = []
-        for _ in range(max(2, int(gib * 2**30) // per)):
-            kc, vc = paged_ops.allocate_kv_cache(nb, Hkv, D, bs, dtype, huge_pages=huge)
-            for c in (kc, vc):
-                c.view(torch.uint8).fill_(0x3C)  # finite in every cache dtype
-            layers.append((kc, vc))
-        sets.append(layers)
-    return nb, sets
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="bf16,fp32,fp16,fp8_e4m3")
@@ -78,14 +63,10 @@ def main(argv=None):
     B, L = map(int, args.shape.split("x"))
     H, Hkv = map(int, args.heads.split(","))
     D = 128
+    control = "; CONTROL: plain pages in both" if args.control else ""
     print(f"{args.threads} threads, {H}q/{Hkv}kv, head size {D}, B={B} L={L}, caches cycled "
-          f"over >= {args.gib} GiB per set{'; CONTROL: plain pages in both' if args.control else ''}")
-    bufs = []
-    for huge in (False, not args.control):
-        b = torch.empty(max(1 << 10, int(args.gib * 2**30) // 4), dtype=torch.float32)
-        if huge:
-            paged_ops.advise_huge_pages(b)
-        bufs.append(b.fill_(1.0))
+          f"over >= {args.gib} GiB per set{control}")
+    bufs = [ba.probe_buffer(args.gib, huge) for huge in (False, not args.control)]
     (tp0, tp1), r = alternate([bufs[0].sum, bufs[1].sum], min(args.seconds, 2.0))
     gb = bufs[0].numel() * 4 / 1e9
     print(f"probe torch.sum: plain {gb / tp0:5.1f} GB/s, huge {gb / tp1:5.1f} GB/s, "
@@ -94,20 +75,17 @@ def main(argv=None):
     for name in args.dtypes.split(","):
         dtype = ba.DTYPES[name]
         for bs in map(int, args.block_sizes.split(",")):
-            nb, sets = cache_sets(B, L, Hkv, D, bs, dtype, args.gib, args.control)
-            g = torch.Generator().manual_seed(bs)
-            per = (L + bs - 1) // bs
-            bt = torch.randperm(nb, generator=g)[: B * per].view(B, per).to(torch.int32)
-            sl = torch.full((B,), L, dtype=torch.int32)
-            q = torch.randn(B, H, D, generator=g).to(
-                torch.bfloat16 if dtype in ba.FP8 else dtype)
-            ks, vs = ba.kv_scales(sets[0][0][0])
-            kw = dict(k_scale=ks, v_scale=vs) if dtype in ba.FP8 else {}
+            nb = B * ((L + bs - 1) // bs) + 64
+            # Two sets of the same values; the batch (queries, block table) serves both.
+            sets = [ba.LayerCaches(nb, Hkv, D, bs, dtype, "cpu", args.gib * 2**30,
+                                   huge_pages=huge) for huge in (False, not args.control)]
+            q, bt, sl = sets[0].batch(B, L, H, D)
+            kw = dict(k_scale=sets[0].ks, v_scale=sets[0].vs) if dtype in ba.FP8 else {}
             cursor = [0, 0]
 
             def caller(s):
                 def call():
-                    kc, vc = sets[s][cursor[s] % len(sets[s])]
+                    kc, vc = sets[s].layers[cursor[s] % len(sets[s].layers)]
                     cursor[s] += 1
                     paged_ops.paged_attention(q, kc, vc, bt, sl, D**-0.5, **kw)
                 return call
@@ -117,7 +95,7 @@ def main(argv=None):
             print(f"{name:9s} bs {bs:3d}: plain {t0 * 1e3:6.2f} ms ({nbytes / t0:5.1f} GB/s), "
                   f"huge {t1 * 1e3:6.2f} ms ({nbytes / t1:5.1f} GB/s): plain/huge total "
                   f"{t0 / t1:.3f}x, median per call {r:.3f}x", flush=True)
-            del sets
+            sets.clear()  # frees this row's caches before the next row allocates its own
             gc.collect()
 
 

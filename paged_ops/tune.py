@@ -95,7 +95,8 @@ class Workload:
         self.batch, self.context = batch, context
         n = max(int(gib * 2**30) // 2**20, 1) * 2**20
         self.buf = torch.empty(n, dtype=torch.uint8)
-        paged_ops.advise_huge_pages(self.buf)  # as allocate_kv_cache's caches, and the probe reads it
+        # Huge pages, as allocate_kv_cache's caches; the bandwidth probe reads this buffer too.
+        paged_ops.advise_huge_pages(self.buf)
         g = torch.Generator().manual_seed(seed)
         chunk = torch.randint(0x30, 0x40, (2**20,), dtype=torch.uint8, generator=g)
         self.buf.view(-1, 2**20).copy_(chunk)
