@@ -13,8 +13,10 @@ the package uses for CPU dispatch:
 - ``arith-none``: all three skipped: the loops, logits masking and reductions that remain.
 
 Times are per (block, kv head) on one thread; q.k and p.v each do G * head_size * block_size
-multiply-adds there, ``G * head_size * block_size / lanes`` vector FMAs, compared with the FMA
-rate measured by a probe on as many threads as the benchmark uses (``--threads``).
+multiply-adds there, compared with the fp32 multiply-add rate (FMAs of the build's vector
+width) measured by a probe on as many threads as the benchmark uses (``--threads``). Builds with
+AVX512-BF16 also probe ``vdpbf16ps`` (two multiply-adds per fp32 lane), the instruction of their
+bf16 paths: the ideal time printed beside the FMA one.
 
     python benchmarks/kernel_phases.py                    # fp32, fp16, bf16, fp8; B=8 L=2048
     python benchmarks/kernel_phases.py --dtypes bf16 --shape 32x512 --reps 15 --block-size 128
@@ -75,6 +77,42 @@ extern "C" double fma_rate() {
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return 12.0 * n / t;
 }
+#ifdef __AVX512F__
+// The same with 16-lane FMAs: a core may run fewer of them per cycle than 8-lane ones.
+extern "C" double fma512_rate() {
+  __m512 a0 = _mm512_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+  const __m512 x = _mm512_set1_ps(0.9999f), y = _mm512_set1_ps(1e-4f);
+  const long n = 50000000;
+  auto t0 = std::chrono::steady_clock::now();
+  for (long k = 0; k < n; ++k) {
+#define F5(v) v = _mm512_fmadd_ps(v, x, y);
+    F5(a0) F5(a1) F5(a2) F5(a3) F5(a4) F5(a5) F5(a6) F5(a7) F5(a8) F5(a9) F5(a10) F5(a11)
+    asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
+                 "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+  }
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 12.0 * n / t;
+}
+#endif
+#ifdef __AVX512BF16__
+// vdpbf16ps per second on this thread, 12 chains as above.
+extern "C" double dot_rate() {
+  __m512 a0 = _mm512_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3800);
+  const long n = 50000000;
+  auto t0 = std::chrono::steady_clock::now();
+  for (long k = 0; k < n; ++k) {
+#define D(v) v = _mm512_dpbf16_ps(v, x, y);
+    D(a0) D(a1) D(a2) D(a3) D(a4) D(a5) D(a6) D(a7) D(a8) D(a9) D(a10) D(a11)
+    asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
+                 "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+  }
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 12.0 * n / t;
+}
+#endif
 """
 
 
@@ -164,19 +202,28 @@ def build(build_dir, jobs, variant="avx2"):
     probe_src = os.path.join(out, "fma_probe.cpp")
     with open(probe_src, "w") as fh:
         fh.write(FMA_PROBE)
-    subprocess.run(["g++", "-O2", "-mavx2", "-mfma", "-fPIC", "-shared", probe_src, "-o", probe],
-                   check=True)
+    dot = ["-mavx512f"] if variant.startswith("avx512") else []
+    dot += ["-mavx512bf16"] if has_dot_bf16(variant) else []
+    subprocess.run(["g++", "-O2", "-mavx2", "-mfma", *dot, "-fPIC", "-shared", probe_src, "-o",
+                    probe], check=True)
     return sos, probe
 
 
-def fma_rate_per_thread(probe, threads):
-    """Vector FMAs per second of one thread while `threads` threads run the probe."""
+def has_dot_bf16(variant):
+    """Whether the build computes bf16 with vdpbf16ps (PAGED_OPS_DOT_BF16)."""
+    return variant in ("avx512_bf16", "avx512_amx")
+
+
+def fma_rate_per_thread(probe, threads, name="fma_rate"):
+    """Vector instructions per second of one thread while `threads` threads run the probe
+    `name`: fma_rate (8-lane FMAs), fma512_rate (16-lane) or dot_rate (vdpbf16ps)."""
     lib = ctypes.CDLL(probe)
-    lib.fma_rate.restype = ctypes.c_double
+    fn = getattr(lib, name)
+    fn.restype = ctypes.c_double
     rates = [0.0] * threads
 
     def run(i):
-        rates[i] = lib.fma_rate()  # ctypes releases the GIL: the threads run together
+        rates[i] = fn()  # ctypes releases the GIL: the threads run together
 
     ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     for t in ts:
@@ -242,10 +289,16 @@ def main(argv=None):
     sos, probe = build(args.build_dir, min(args.threads, len(VARIANTS)), args.variant)
     libs = {name: load_kernel_table(so) for name, so in sos.items()}  # kept loaded
     tables = {name: tab for name, (_, tab) in libs.items()}
-    fma = fma_rate_per_thread(probe, args.threads)
+    # fp32 multiply-adds per second, with the vectors of the build
+    lanes = 16 if args.variant.startswith("avx512") else 8
+    fma = lanes * fma_rate_per_thread(probe, args.threads,
+                                      "fma512_rate" if lanes == 16 else "fma_rate")
+    dot = fma_rate_per_thread(probe, args.threads, "dot_rate") if has_dot_bf16(args.variant) \
+        else None
     bw, _ = ba.read_bandwidth_gbs("cpu")
     print(f"{args.threads} threads; read bandwidth {bw:.1f} GB/s (torch.sum); "
-          f"{fma / 1e9:.2f} G vector FMAs/s per thread")
+          f"{fma / 1e9:.1f} G fp32 multiply-adds/s per thread ({lanes}-lane FMAs)"
+          + (f", {dot / 1e9:.2f} G vdpbf16ps/s" if dot else ""))
 
     block_heads = B * ((L + bs - 1) // bs) * Hkv
     n_calls = max(1, 20000 // block_heads)
@@ -257,11 +310,12 @@ def main(argv=None):
                      args.reps)
 
     G = H // Hkv
-    lanes = 16 if args.variant.startswith("avx512") else 8  # (the probe times 8-lane FMAs)
-    fmas = G * D * bs / lanes  # vector FMAs of q.k (and of p.v) per (block, kv head)
-    ideal_ns = fmas / fma * 1e9
+    macs = G * D * bs  # multiply-adds of q.k (and of p.v) per (block, kv head)
+    ideal_ns = macs / fma * 1e9
+    dot_ns = f" ({macs / (32 * dot) * 1e9:.0f} ns by vdpbf16ps)" if dot else ""
     print(f"B={B} L={L} {H}q/{Hkv}kv head_size {D} block_size {bs}: per (block, kv head) on one "
-          f"thread; q.k and p.v each {fmas:.0f} vector FMAs = {ideal_ns:.0f} ns at the FMA rate")
+          f"thread; q.k and p.v each {macs} multiply-adds = {ideal_ns:.0f} ns at the FMA "
+          f"rate{dot_ns}")
     print(f"{'cache':6s} {'kernel':>16s} {'arith alone':>18s} {'q.k':>13s} {'p.v':>13s} "
           f"{'softmax':>8s} {'rest':>6s}")
     for dn, es, _, times in cases:
@@ -276,7 +330,7 @@ def main(argv=None):
         print(f"{dn:6s} {gbs:6.2f} GB/s {100 * gbs / bw:4.0f}% {arith:7.2f} GB/s-eq "
               f"{ns['arith']:4.0f} ns {qk:5.0f} ns {100 * ideal_ns / qk:3.0f}% "
               f"{pv:5.0f} ns {100 * ideal_ns / pv:3.0f}% {sm:5.0f} ns {ns['arith-none']:4.0f} ns")
-    print("q.k / p.v: the phase's time, and the FMA rate's share of it; rest: arith-none")
+    print("q.k / p.v: the phase's time, and the FMA ideal's share of it; rest: arith-none")
 
 
 if __name__ == "__main__":
