@@ -17,6 +17,11 @@
 #include "cpu/arch/isa.h"
 #include "cpu/attention/tuning.h"
 
+// Before the loops that start and store a step's array of accumulators (VecF a[G][T]): fully
+// unrolled, the array lives in registers; as a loop, GCC zeroes it on the stack and copies it
+// out through the stack, ~135 cycles per call (bf16 q.k on Zen 4, arithmetic alone, 1.04x).
+#define PAGED_UNROLL _Pragma("GCC unroll 32")
+
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 

@@ -478,7 +478,9 @@ inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int
   auto step = [&](int64_t a0, auto dt_c) {
     constexpr int DTc = decltype(dt_c)::value;
     VecF s[RT][DTc];
+    PAGED_UNROLL
     for (int r = 0; r < RT; ++r)
+      PAGED_UNROLL
       for (int u = 0; u < DTc; ++u)
         s[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (a0 + u) * W);
     for (int64_t k = 0; k < nb; ++k) {
@@ -513,7 +515,9 @@ inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int
         }
       }
     }
+    PAGED_UNROLL
     for (int r = 0; r < RT; ++r)
+      PAGED_UNROLL
       for (int u = 0; u < DTc; ++u) s[r][u].store(acc + r * acc_stride + (a0 + u) * W);
   };
   int64_t a = 0;

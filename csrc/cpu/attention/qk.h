@@ -160,7 +160,9 @@ inline void qk_dot_step(const T* kblk, const float* qrep, float* raw, int64_t nu
                         int64_t unit0) {
   static_assert(TOK % 2 == 0 || !is_fp8_v<T>, "fp8 keys are decoded two units at a time");
   VecF a[G_T][TOK];
+  PAGED_UNROLL
   for (int g = 0; g < G_T; ++g)
+    PAGED_UNROLL
     for (int t = 0; t < TOK; ++t) a[g][t] = VecF(0.f);
   for (int64_t c = 0; c < num_chunks; ++c) {
     pf.step();
@@ -173,7 +175,9 @@ inline void qk_dot_step(const T* kblk, const float* qrep, float* raw, int64_t nu
       for (int t = 0; t < TOK; ++t) a[g][t] = dot_pairs(a[g][t], k[t], q);
     }
   }
+  PAGED_UNROLL
   for (int g = 0; g < G_T; ++g)
+    PAGED_UNROLL
     for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (unit0 + t) * W);
 }
 
