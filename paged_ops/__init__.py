@@ -301,9 +301,10 @@ def cpu_plan(dtype: torch.dtype, cache_dtype: torch.dtype, block_size: int, head
 
     Returns a dict: ``source`` (``"plan file"``, ``"tuned"`` in this process, or ``"rules"``),
     ``build``, the paths the call takes (``qk_path``, ``pv_path``), ``blocks_per_group``,
-    ``prefetch``, ``staged_block_size`` (None: blocks read in place), ``forced`` (the knobs
-    the plan sets; None for the rules) and ``us`` (the plan's time per call as tuned; None for
-    the rules). ``ValueError`` names a bad argument."""
+    ``prefetch``, ``split_key_prefetch`` (half of the next blocks' key lines asked for over
+    p.v, the rest over q.k), ``staged_block_size`` (None: blocks read in place), ``forced``
+    (the knobs the plan sets; None for the rules) and ``us`` (the plan's time per call as
+    tuned; None for the rules). ``ValueError`` names a bad argument."""
     key = _plans.check_key(dtype, cache_dtype, block_size, head_size, group)
     p = _installed.get(key)
     if p is None:
@@ -315,6 +316,7 @@ def cpu_plan(dtype: torch.dtype, cache_dtype: torch.dtype, block_size: int, head
             "qk_path": d["qk_path"], "pv_path": d["pv_path"],
             "blocks_per_group": d["blocks_per_group"],
             "prefetch": not (knobs and knobs.get("prefetch") is False),
+            "split_key_prefetch": d["split_key_prefetch"],
             "staged_block_size": d["staged_block_size"],
             "forced": None if p is None else {k: v for k, v in knobs.items() if v is not None},
             "us": None if p is None else p["us"]}

@@ -41,13 +41,15 @@ FILE_VERSION = 1
 
 class KernelPlan(ctypes.Structure):
     _fields_ = [("qk_path", ctypes.c_int32), ("pv_path", ctypes.c_int32),
-                ("group", ctypes.c_int32), ("prefetch", ctypes.c_int32)]
+                ("group", ctypes.c_int32), ("prefetch", ctypes.c_int32),
+                ("split_keys", ctypes.c_int32)]
 
 
 class PlanInfo(ctypes.Structure):
     _fields_ = [("qk_path", ctypes.c_int32), ("pv_path", ctypes.c_int32),
                 ("group", ctypes.c_int32), ("staged_block_size", ctypes.c_int32),
-                ("qk_valid", ctypes.c_uint32), ("pv_valid", ctypes.c_uint32)]
+                ("qk_valid", ctypes.c_uint32), ("pv_valid", ctypes.c_uint32),
+                ("split_keys", ctypes.c_int32)]
 
 
 class PlanEntry(ctypes.Structure):
@@ -76,8 +78,8 @@ def setup_library(lib) -> None:
 # --- Knobs ----------------------------------------------------------------------------------
 
 def knobs_struct(knobs: dict | None) -> KernelPlan:
-    """The kernel's KernelPlan of knobs {qk_path, pv_path, blocks_per_group, prefetch} (None or
-    absent: the rules)."""
+    """The kernel's KernelPlan of knobs {qk_path, pv_path, blocks_per_group, prefetch,
+    split_key_prefetch} (None or absent: the rules)."""
     knobs = knobs or {}
     kp = KernelPlan()
     if knobs.get("qk_path") is not None:
@@ -88,10 +90,12 @@ def knobs_struct(knobs: dict | None) -> KernelPlan:
         kp.group = int(knobs["blocks_per_group"])
     if knobs.get("prefetch") is not None:
         kp.prefetch = 2 if knobs["prefetch"] else 1
+    if knobs.get("split_key_prefetch") is not None:
+        kp.split_keys = 2 if knobs["split_key_prefetch"] else 1
     return kp
 
 
-KNOB_NAMES = ("qk_path", "pv_path", "blocks_per_group", "prefetch")
+KNOB_NAMES = ("qk_path", "pv_path", "blocks_per_group", "prefetch", "split_key_prefetch")
 
 
 def check_knobs(knobs: dict) -> dict:
@@ -112,6 +116,9 @@ def check_knobs(knobs: dict) -> dict:
         raise ValueError(f"blocks_per_group must be an int in [1, {MAX_GROUP}] or None, got {g!r}")
     if out["prefetch"] is not None and not isinstance(out["prefetch"], bool):
         raise ValueError(f"prefetch must be a bool or None, got {out['prefetch']!r}")
+    if out["split_key_prefetch"] is not None and not isinstance(out["split_key_prefetch"], bool):
+        raise ValueError(f"split_key_prefetch must be a bool or None, got "
+                         f"{out['split_key_prefetch']!r}")
     return out
 
 
@@ -137,8 +144,8 @@ def check_key(dtype, cache_dtype, block_size, head_size, group) -> tuple:
 
 def describe(lib, table, key, knobs=None, multi_token=False) -> dict:
     """What a call of ``key`` takes on kernel ``table`` (None: the built-in default) with
-    ``knobs``: {qk_path, pv_path, blocks_per_group, staged_block_size, qk_valid, pv_valid}
-    (the valid ones: the paths a plan may force for this key)."""
+    ``knobs``: {qk_path, pv_path, blocks_per_group, staged_block_size, split_key_prefetch,
+    qk_valid, pv_valid} (the valid ones: the paths a plan may force for this key)."""
     dtype, cache_dtype, bs, D, group = key
     info = PlanInfo()
     kp = knobs_struct(knobs)
@@ -150,6 +157,7 @@ def describe(lib, table, key, knobs=None, multi_token=False) -> dict:
     return {"qk_path": QK_PATHS[info.qk_path], "pv_path": PV_PATHS[info.pv_path],
             "blocks_per_group": info.group,
             "staged_block_size": info.staged_block_size or None,
+            "split_key_prefetch": bool(info.split_keys),
             "qk_valid": [p for i, p in enumerate(QK_PATHS) if info.qk_valid >> i & 1],
             "pv_valid": [p for i, p in enumerate(PV_PATHS) if info.pv_valid >> i & 1]}
 

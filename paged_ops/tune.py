@@ -9,7 +9,8 @@ fastest to the plan file (paged_ops.plan_cache_path()), which import reads.
 
 The candidates of a key are raced in stages, each against the best so far (the rules first):
 the builds this CPU runs (with the rules' paths), the q.k x p.v paths open to the key on the
-winning build, the blocks per softmax step, then no prefetching; last, the winner races the
+winning build, the blocks per softmax step, no prefetching, and, where the next blocks' key
+lines are split between q.k and p.v, all of them over q.k; last, the winner races the
 rules once more, in twice the rounds, and is kept only if it wins again. Every race
 interleaves its candidates in rounds (every other round in reverse order) and compares each
 candidate with the best so far round by round: a candidate replaces it only when the median
@@ -148,7 +149,8 @@ class Workload:
 def _label(build, knobs, d) -> str:
     forced = {k: v for k, v in (knobs or {}).items() if v is not None}
     what = (f"{d['qk_path']}/{d['pv_path']} g{d['blocks_per_group']}"
-            + ("" if (knobs or {}).get("prefetch") is not False else " nopf"))
+            + ("" if (knobs or {}).get("prefetch") is not False else " nopf")
+            + (" ksplit" if d["split_key_prefetch"] else ""))
     return f"{build:11s} {what:26s} {'rules' if not forced else 'plan'}"
 
 
@@ -160,7 +162,8 @@ class Candidate:
 
     def effective(self):
         return (self.build, self.d["qk_path"], self.d["pv_path"], self.d["blocks_per_group"],
-                self.d["staged_block_size"], (self.knobs or {}).get("prefetch") is not False)
+                self.d["staged_block_size"], (self.knobs or {}).get("prefetch") is not False,
+                self.d["split_key_prefetch"])
 
     def median(self) -> float:
         return statistics.median(self.times)
@@ -256,6 +259,12 @@ def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds
     c = _candidate(b, key, dict(forced, prefetch=False))
     winner = _race(w, [winner, c], rounds, calls, winner)
     timed.append(c)
+    # Stage 5: where the next key lines are split between q.k and p.v, all of them over q.k.
+    if winner.d["split_key_prefetch"] and winner.knobs.get("prefetch") is not False:
+        forced = {k: v for k, v in winner.knobs.items() if v is not None}
+        c = _candidate(b, key, dict(forced, split_key_prefetch=False))
+        winner = _race(w, [winner, c], rounds, calls, winner)
+        timed.append(c)
     # The winner races the rules once more; where it loses, the plan is the rules'.
     if winner is not rules:
         winner = _race(w, [rules, winner], 2 * rounds, calls, rules)

@@ -96,7 +96,8 @@ def _reference(pg, q, kw, scale, window):
 
 def _knob_sets(d):
     """Every path the key may take forced alone and in pairs, every group size, no prefetch,
-    and paths the key cannot take (the rules must decide then)."""
+    the next key lines over q.k alone or split, and paths the key cannot take (the rules must
+    decide then)."""
     sets = [{"qk_path": qk} for qk in _plans.QK_PATHS]
     sets += [{"pv_path": pv} for pv in _plans.PV_PATHS]
     sets += [{"qk_path": qk, "pv_path": pv} for qk in d["qk_valid"] for pv in d["pv_valid"]]
@@ -104,6 +105,9 @@ def _knob_sets(d):
     sets += [{"prefetch": False}, {"prefetch": True},
              {"qk_path": "tile", "pv_path": "row_any", "blocks_per_group": 3,
               "prefetch": False}]
+    sets += [{"split_key_prefetch": False}, {"split_key_prefetch": True},
+             {"blocks_per_group": 2, "split_key_prefetch": False}]
+    sets += [{"pv_path": pv, "split_key_prefetch": False} for pv in d["pv_valid"]]
     return sets
 
 
@@ -129,6 +133,8 @@ def test_every_forced_plan_matches_the_reference(cpu_variant, case, multi):
                 assert d["pv_path"] == knobs["pv_path"], (knobs, d)
             if knobs["blocks_per_group"] is not None:
                 assert d["blocks_per_group"] == knobs["blocks_per_group"]
+            if knobs["split_key_prefetch"] is False or knobs["prefetch"] is False:
+                assert not d["split_key_prefetch"], (knobs, d)
             with forced(key, knobs, table):
                 got = paged_ops.paged_attention(q, pg.key_cache, pg.value_cache,
                                                 pg.block_tables, pg.seq_lens, scale,
@@ -382,6 +388,7 @@ def test_cpu_plan_of_the_rules():
             assert p["build"] == paged_ops.cpu_kernel_variant(bs, ct)
             assert p["qk_path"] in _plans.QK_PATHS and p["pv_path"] in _plans.PV_PATHS
             assert 1 <= p["blocks_per_group"] <= _plans.MAX_GROUP and p["prefetch"]
+            assert isinstance(p["split_key_prefetch"], bool)
 
 
 @pytest.mark.parametrize("variant", ["lanes16_dot"] + [
@@ -402,10 +409,35 @@ def test_rules_take_the_dot_paths_for_bf16_queries(variant):
         assert d["pv_path"] == ("dot" if bs < 16 else "group"), (bs, d)
 
 
+@pytest.mark.parametrize("variant", ["lanes16", "lanes16_dot"] + [
+    v for v in ("avx512_bf16", "avx2") if v in paged_ops.supported_cpu_kernel_variants()])
+def test_rules_split_the_next_key_lines_of_16_bit_caches_on_16_lanes(variant):
+    # Half of the next blocks' key lines go out over p.v for 16-bit caches on the 16-lane
+    # builds where the p.v path steps them (not row_any); a plan may send them all over q.k.
+    table = cpu_variants.table(variant)
+    lanes16 = variant != "avx2"
+    for ct in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        dt = torch.bfloat16 if ct in FP8 else ct
+        for bs in (8, 16, 128):
+            key = (dt, ct, bs, 128, 4)
+            d = _plans.describe(LIB, table, key)
+            want = lanes16 and ct in (torch.float16, torch.bfloat16) and d["pv_path"] in (
+                "group", "group_any", "half_tile", "dot")
+            assert d["split_key_prefetch"] == want, (key, d)
+            for knobs in ({"split_key_prefetch": False}, {"prefetch": False},
+                          {"pv_path": "row_any"}):
+                d = _plans.describe(LIB, table, key, _plans.check_knobs(knobs))
+                if d["pv_path"] == knobs.get("pv_path", d["pv_path"]):
+                    assert not d["split_key_prefetch"], (key, knobs, d)
+            d = _plans.describe(LIB, table, key, _plans.check_knobs({"split_key_prefetch": True}))
+            assert d["split_key_prefetch"] == want, (key, d)
+
+
 def test_bad_knobs_are_rejected():
     for knobs, name in (({"qk_path": "x"}, "qk_path"), ({"pv_path": 1}, "pv_path"),
                         ({"blocks_per_group": _plans.MAX_GROUP + 1}, "blocks_per_group"),
-                        ({"prefetch": 1}, "prefetch"), ({"speed": 2}, "speed")):
+                        ({"prefetch": 1}, "prefetch"), ({"speed": 2}, "speed"),
+                        ({"split_key_prefetch": "yes"}, "split_key_prefetch")):
         with pytest.raises(ValueError, match=name):
             _plans.check_knobs(knobs)
 

@@ -21,6 +21,9 @@ struct KernelPlan {
   int32_t pv_path;   // 0, or 1 + PvPath
   int32_t group;     // 0, or blocks per softmax step (at most kGroup)
   int32_t prefetch;  // 0, or 1: no prefetches of the next step's blocks, 2: the next step's
+  // 0, or 1: every key line of the next step's blocks asked for over q.k, 2: the rules' split
+  // (Layout::split_keys)
+  int32_t split_keys;
 };
 
 // What the rules and a plan make of a call (KernelTable::describe, for paged_ops.cpu_plan and
@@ -30,6 +33,7 @@ struct PlanInfo {
   int32_t group;               // blocks per softmax step
   int32_t staged_block_size;   // the block size read when cache blocks are staged; else 0
   uint32_t qk_valid, pv_valid;
+  int32_t split_keys;          // Layout::split_keys
 };
 
 struct AttentionParams {
@@ -73,7 +77,7 @@ struct KernelTable {
   void (*describe)(const AttentionParams&, PlanInfo*);
 };
 
-constexpr int32_t kKernelAbiVersion = 4;
+constexpr int32_t kKernelAbiVersion = 5;
 
 }  // namespace paged::cpu
 

@@ -306,6 +306,7 @@ void describe_cache(const AttentionParams& P, PlanInfo* info) {
   info->pv_path = static_cast<int32_t>(layout.pv);
   info->group = static_cast<int32_t>(layout.group);
   info->staged_block_size = layout.staged() ? static_cast<int32_t>(layout.bs) : 0;
+  info->split_keys = layout.split_keys;
   info->qk_valid = info->pv_valid = 0;
   for (int i = 0; i <= static_cast<int>(QkPath::Amx); ++i)
     if (static_cast<int>(with(i + 1, 0).qk) == i) info->qk_valid |= 1u << i;

@@ -92,6 +92,13 @@ struct Layout {
   int32_t tiny_idx[W * W] = {};
   // A tuned plan (KernelPlan): the next step's blocks are prefetched (else not).
   bool prefetch = true;
+  // The next step's key lines: half asked for over q.k and half over p.v (k_rest), or all over
+  // q.k. The rules split them for 16-bit caches on the 16-lane builds where the p.v path
+  // carries k_rest: their q.k is short next to p.v, and on the Xeon of RESULTS.md all of them
+  // over q.k wait for the miss buffers (split: 1.02-1.07x). On Zen 4 all over q.k runs
+  // 0.98-1.12x of the split, so a tuned plan may choose (KernelPlan::split_keys).
+  static constexpr bool kSplitKeyPrefetch = sizeof(CT) == 2 && W == 16;
+  bool split_keys = false;
 
   bool staged() const { return stage.per > 0; }
   bool amx() const { return qk == QkPath::Amx; }
@@ -123,6 +130,8 @@ struct Layout {
              !c.amx;
     choose_paths(c, P.plan.pv_path - 1);
     if (P.plan.prefetch == 1) prefetch = false;
+    split_keys = kSplitKeyPrefetch && prefetch && P.plan.split_keys != 1 &&
+                 (group_pv() || pv == PvPath::HalfTile || pv == PvPath::Dot);
   }
 
   // The paths open to the block size read: several may be; choose_paths takes one of each.

@@ -165,7 +165,6 @@ inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb,
   Scratch& scratch = w.scratch;
   const int64_t R = w.R;
   auto& k_rest = w.k_rest;
-  constexpr bool kSplitKeyPrefetch = ItemState<CT>::kSplitKeyPrefetch;
   constexpr bool kScanNan = ItemState<CT>::kScanNan;
   const int64_t raw_row = layout.raw_row, block_row = layout.block_row, bs = layout.bs;
   // What the q.k sums are multiplied by (in the vectors that sum them): q is scaled already,
@@ -175,15 +174,10 @@ inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb,
   // (R / 4 + R % 4 tiles), or the AMX loop's.
   const int64_t pf_steps = layout.amx() ? amx_qk_iterations(R, layout.D, bs)
                                       : (R / 4 + R % 4) * layout.qk_iters;
-  // 16-bit caches: q.k (bf16 pairs, or a widening load) is short next to p.v, and the next
-  // block's key lines all asked for during it wait for the core's miss buffers; the first
-  // `head` bytes go out over q.k, the rest over p.v (k_rest).
-  const int64_t kbytes = layout.D * bs * static_cast<int64_t>(sizeof(CT));
+  // Layout::split_keys: the first `head` bytes go out over q.k, the rest over p.v (k_rest);
   // pv_tiny prefetches the next step's V lines itself (every cache type).
-  const bool split =
-      (kSplitKeyPrefetch &&
-       (layout.group_pv() || layout.pv == PvPath::HalfTile || layout.pv == PvPath::Dot)) ||
-      layout.pv == PvPath::Tiny;
+  const int64_t kbytes = layout.D * bs * static_cast<int64_t>(sizeof(CT));
+  const bool split = layout.split_keys || layout.pv == PvPath::Tiny;
   const int64_t head = split ? kbytes / 2 / 64 * 64 : kbytes;
   const int64_t rest_steps = head < kbytes ? w.pv_calls() : 0;
   const int64_t sum_blocks = layout.sum_blocks;
