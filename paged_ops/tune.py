@@ -387,20 +387,22 @@ def main(argv=None) -> list:
                 mark = " <- winner" if c is winner else ""
                 print(f"  {c.label:45s} {t * 1e3:8.3f} {w.nbytes / t / 1e9:7.2f} "
                       f"{100 * w.nbytes / t / 1e9 / roof:7.0f}%{mark}")
-            summary.append((key, rules.median(), winner, roof, w.nbytes))
+            summary.append((key, rules.median(), winner, winner is rules, roof, w.nbytes))
             all_plans += plans
     finally:
         paged_ops._install_plans()  # the plans of before, until the new ones are added
     elapsed = time.perf_counter() - start
     print(f"\nsummary ({elapsed:.0f} s): per key the rules' time, the winner's, GB/s and share "
-          f"of the roofline")
+          f"of the roofline; the winner, and whether the plan is the rules' (another build with "
+          f"its own rules is a plan)")
     print(f"  {'key':52s} {'rules ms':>9s} {'tuned ms':>9s} {'x':>5s} {'GB/s':>6s} "
           f"{'roof':>5s}  winner")
-    for key, rules_t, winner, roof, nbytes in summary:
+    for key, rules_t, winner, is_rules, roof, nbytes in summary:
         t = winner.median()
         gbs = nbytes / t / 1e9
+        what = winner.label.rsplit(maxsplit=1)[0]
         print(f"  {key_name(key):52s} {rules_t * 1e3:9.3f} {t * 1e3:9.3f} {rules_t / t:5.2f} "
-              f"{gbs:6.2f} {100 * gbs / roof:4.0f}%  {winner.label.strip()}")
+              f"{gbs:6.2f} {100 * gbs / roof:4.0f}%  {what:37s} {'rules' if is_rules else 'plan'}")
     if a.dry_run:
         print("dry run: nothing written")
         return all_plans
