@@ -60,57 +60,41 @@ VARIANTS = {
 FMA_PROBE = r"""
 #include <immintrin.h>
 #include <chrono>
-// Vector FMAs per second on this thread: 12 independent chains (more than latency x
-// throughput), in named variables so that they stay in registers.
+// Instructions per second on this thread: 12 independent chains of STEP (more than latency x
+// throughput) from INIT, in named variables so that they stay in registers (asm constraint C).
+#define CHAINS(V, INIT, STEP, N, C)                                                            \
+  V a0 = INIT, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,        \
+    a9 = a0, a10 = a0, a11 = a0;                                                               \
+  const long n = N;                                                                            \
+  auto t0 = std::chrono::steady_clock::now();                                                  \
+  for (long k = 0; k < n; ++k) {                                                               \
+    STEP(a0) STEP(a1) STEP(a2) STEP(a3) STEP(a4) STEP(a5) STEP(a6) STEP(a7) STEP(a8) STEP(a9)  \
+    STEP(a10) STEP(a11)                                                                        \
+    asm volatile("" : "+" C(a0), "+" C(a1), "+" C(a2), "+" C(a3), "+" C(a4), "+" C(a5),        \
+                 "+" C(a6), "+" C(a7), "+" C(a8), "+" C(a9), "+" C(a10), "+" C(a11));          \
+  }                                                                                            \
+  return 12.0 * n / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+// 8-lane FMAs.
 extern "C" double fma_rate() {
-  __m256 a0 = _mm256_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   const __m256 x = _mm256_set1_ps(0.9999f), y = _mm256_set1_ps(1e-4f);
-  const long n = 100000000;
-  auto t0 = std::chrono::steady_clock::now();
-  for (long k = 0; k < n; ++k) {
 #define F(v) v = _mm256_fmadd_ps(v, x, y);
-    F(a0) F(a1) F(a2) F(a3) F(a4) F(a5) F(a6) F(a7) F(a8) F(a9) F(a10) F(a11)
-    asm volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6),
-                 "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
-  }
-  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return 12.0 * n / t;
+  CHAINS(__m256, _mm256_set1_ps(0.1f), F, 100000000, "x")
 }
 #ifdef __AVX512F__
-// The same with 16-lane FMAs: a core may run fewer of them per cycle than 8-lane ones.
+// 16-lane FMAs: a core may run fewer of them per cycle than 8-lane ones.
 extern "C" double fma512_rate() {
-  __m512 a0 = _mm512_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   const __m512 x = _mm512_set1_ps(0.9999f), y = _mm512_set1_ps(1e-4f);
-  const long n = 50000000;
-  auto t0 = std::chrono::steady_clock::now();
-  for (long k = 0; k < n; ++k) {
 #define F5(v) v = _mm512_fmadd_ps(v, x, y);
-    F5(a0) F5(a1) F5(a2) F5(a3) F5(a4) F5(a5) F5(a6) F5(a7) F5(a8) F5(a9) F5(a10) F5(a11)
-    asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
-                 "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
-  }
-  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return 12.0 * n / t;
+  CHAINS(__m512, _mm512_set1_ps(0.1f), F5, 50000000, "v")
 }
 #endif
 #ifdef __AVX512BF16__
-// vdpbf16ps per second on this thread, 12 chains as above.
+// vdpbf16ps.
 extern "C" double dot_rate() {
-  __m512 a0 = _mm512_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3800);
-  const long n = 50000000;
-  auto t0 = std::chrono::steady_clock::now();
-  for (long k = 0; k < n; ++k) {
 #define D(v) v = _mm512_dpbf16_ps(v, x, y);
-    D(a0) D(a1) D(a2) D(a3) D(a4) D(a5) D(a6) D(a7) D(a8) D(a9) D(a10) D(a11)
-    asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
-                 "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
-  }
-  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return 12.0 * n / t;
+  CHAINS(__m512, _mm512_set1_ps(0.1f), D, 50000000, "v")
 }
 #endif
 """
