@@ -9,8 +9,8 @@ fastest to the plan file (paged_ops.plan_cache_path()), which import reads.
 
 The candidates of a key are raced in stages, each against the best so far (the rules first):
 the builds this CPU runs (with the rules' paths), the q.k x p.v paths open to the key on the
-winning build, the blocks per softmax step, no prefetching, and, where the next blocks' key
-lines are split between q.k and p.v, all of them over q.k; last, the winner races the
+winning build, where the next blocks' key lines are split between q.k and p.v all of them
+over q.k, the blocks per softmax step, then no prefetching; last, the winner races the
 rules once more, in twice the rounds, and is kept only if it wins again. Every race
 interleaves its candidates in rounds (every other round in reverse order) and compares each
 candidate with the best so far round by round: a candidate replaces it only when the median
@@ -246,7 +246,14 @@ def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds
     if len(stage) > 1:
         winner = _race(w, stage, rounds, calls, winner)
         timed += stage[1:]
-    # Stage 3: blocks per softmax step (a plan forces only the knobs that won).
+    # Stage 3: where the next key lines are split between q.k and p.v, all of them over q.k;
+    # before the groups, whose best size depends on how the prefetches go out.
+    if winner.d["split_key_prefetch"]:
+        forced = {k: v for k, v in winner.knobs.items() if v is not None}
+        c = _candidate(b, key, dict(forced, split_key_prefetch=False))
+        winner = _race(w, [winner, c], rounds, calls, winner)
+        timed.append(c)
+    # Stage 4: blocks per softmax step (a plan forces only the knobs that won).
     forced = {k: v for k, v in winner.knobs.items() if v is not None}
     stage = [winner] + [_candidate(b, key, dict(forced, blocks_per_group=g))
                         for g in range(1, _plans.MAX_GROUP + 1)]
@@ -254,17 +261,11 @@ def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds
     if len(stage) > 1:
         winner = _race(w, stage, rounds, calls, winner)
         timed += stage[1:]
-    # Stage 4: no prefetches of the next step's blocks.
+    # Stage 5: no prefetches of the next step's blocks.
     forced = {k: v for k, v in winner.knobs.items() if v is not None}
     c = _candidate(b, key, dict(forced, prefetch=False))
     winner = _race(w, [winner, c], rounds, calls, winner)
     timed.append(c)
-    # Stage 5: where the next key lines are split between q.k and p.v, all of them over q.k.
-    if winner.d["split_key_prefetch"] and winner.knobs.get("prefetch") is not False:
-        forced = {k: v for k, v in winner.knobs.items() if v is not None}
-        c = _candidate(b, key, dict(forced, split_key_prefetch=False))
-        winner = _race(w, [winner, c], rounds, calls, winner)
-        timed.append(c)
     # The winner races the rules once more; where it loses, the plan is the rules'.
     if winner is not rules:
         winner = _race(w, [rules, winner], 2 * rounds, calls, rules)
