@@ -106,7 +106,6 @@ struct ItemState {
   int64_t tiny_n = 0;
   // The key lines of the next blocks that p.v prefetches (the rest after q.k's share), one
   // cursor per block of the group: 16-bit caches on the 16-lane builds (Layout::split_keys).
-  static constexpr bool kSplitKeyPrefetch = Layout<CT>::kSplitKeyPrefetch;
   PrefetchCursor k_rest[kGroup];
   // e4m3 caches where the vector decode reads NaN as a finite number (fp8.h, is_e4m3_nan):
   // each key and value block is scanned before it is read (e4m3_has_nan), and a NaN found at

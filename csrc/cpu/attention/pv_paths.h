@@ -108,7 +108,7 @@ template <typename CT>
 inline void pv_path_dot(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
                         const GroupBlocks<CT>& g) {
   if constexpr (kDotCache<CT>) {
-    constexpr bool kSplit = ItemState<CT>::kSplitKeyPrefetch;
+    constexpr bool kSplit = Layout<CT>::kSplitKeyPrefetch;
     const Layout<CT>& layout = w.layout;
     const int64_t R = w.R, acc_row = layout.acc_row, accs = layout.dot_accs, bs = layout.bs;
     float* const acc_h = acc_rows(w, hl);
@@ -140,7 +140,7 @@ inline void pv_path_dot(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
 template <typename CT>
 inline void pv_path_half(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
                          const GroupBlocks<CT>& g) {
-  constexpr bool kSplit = ItemState<CT>::kSplitKeyPrefetch;
+  constexpr bool kSplit = Layout<CT>::kSplitKeyPrefetch;
   const Layout<CT>& layout = w.layout;
   const int64_t R = w.R, group_row = layout.group_row, acc_row = layout.acc_row;
   float* const acc_h = acc_rows(w, hl);
@@ -189,7 +189,7 @@ inline void pv_path_row_any(ItemState<CT>& w, int64_t hl, int64_t nb,
 template <typename CT>
 inline void pv_path_group(ItemState<CT>& w, int64_t hl, int64_t nb, bool first, bool last,
                           const GroupBlocks<CT>& g) {
-  constexpr bool kSplit = ItemState<CT>::kSplitKeyPrefetch;
+  constexpr bool kSplit = Layout<CT>::kSplitKeyPrefetch;
   const Layout<CT>& layout = w.layout;
   Scratch& scratch = w.scratch;
   const int64_t R = w.R, D = layout.D, bs = layout.bs, NV = layout.NV;
