@@ -318,7 +318,7 @@ def cpu_plan(dtype: torch.dtype, cache_dtype: torch.dtype, block_size: int, head
             "prefetch": not (knobs and knobs.get("prefetch") is False),
             "split_key_prefetch": d["split_key_prefetch"],
             "staged_block_size": d["staged_block_size"],
-            "forced": None if p is None else {k: v for k, v in knobs.items() if v is not None},
+            "forced": None if p is None else _plans.forced_knobs(knobs),
             "us": None if p is None else p["us"]}
 
 

@@ -98,6 +98,11 @@ def knobs_struct(knobs: dict | None) -> KernelPlan:
 KNOB_NAMES = ("qk_path", "pv_path", "blocks_per_group", "prefetch", "split_key_prefetch")
 
 
+def forced_knobs(knobs: dict | None) -> dict:
+    """The knobs a plan sets (the others are None: the rules decide)."""
+    return {k: v for k, v in (knobs or {}).items() if v is not None}
+
+
 def check_knobs(knobs: dict) -> dict:
     """knobs checked (ValueError naming the knob), with every knob present (None: rules)."""
     if not isinstance(knobs, dict):

@@ -147,7 +147,7 @@ class Workload:
 # --- Candidates -------------------------------------------------------------------------------
 
 def _label(build, knobs, d) -> str:
-    forced = {k: v for k, v in (knobs or {}).items() if v is not None}
+    forced = _plans.forced_knobs(knobs)
     what = (f"{d['qk_path']}/{d['pv_path']} g{d['blocks_per_group']}"
             + ("" if (knobs or {}).get("prefetch") is not False else " nopf")
             + (" ksplit" if d["split_key_prefetch"] else ""))
@@ -249,12 +249,11 @@ def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds
     # Stage 3: where the next key lines are split between q.k and p.v, all of them over q.k;
     # before the groups, whose best size depends on how the prefetches go out.
     if winner.d["split_key_prefetch"]:
-        forced = {k: v for k, v in winner.knobs.items() if v is not None}
-        c = _candidate(b, key, dict(forced, split_key_prefetch=False))
+        c = _candidate(b, key, dict(_plans.forced_knobs(winner.knobs), split_key_prefetch=False))
         winner = _race(w, [winner, c], rounds, calls, winner)
         timed.append(c)
     # Stage 4: blocks per softmax step (a plan forces only the knobs that won).
-    forced = {k: v for k, v in winner.knobs.items() if v is not None}
+    forced = _plans.forced_knobs(winner.knobs)
     stage = [winner] + [_candidate(b, key, dict(forced, blocks_per_group=g))
                         for g in range(1, _plans.MAX_GROUP + 1)]
     stage = _dedupe(stage)
@@ -262,8 +261,7 @@ def tune_key(w: Workload, key, num_heads: int, num_kv_heads: int, builds, rounds
         winner = _race(w, stage, rounds, calls, winner)
         timed += stage[1:]
     # Stage 5: no prefetches of the next step's blocks.
-    forced = {k: v for k, v in winner.knobs.items() if v is not None}
-    c = _candidate(b, key, dict(forced, prefetch=False))
+    c = _candidate(b, key, dict(_plans.forced_knobs(winner.knobs), prefetch=False))
     winner = _race(w, [winner, c], rounds, calls, winner)
     timed.append(c)
     # The winner races the rules once more; where it loses, the plan is the rules'.
