@@ -53,16 +53,17 @@ def extract(rev, dest):
     return "git-" + tree[:16]
 
 
-def build(revs, build_dir, jobs, variant="avx2"):
+def build(revs, build_dir, jobs, variant="avx2", arith=False):
     """{rev: path of its kernel library}, built once per distinct source tree."""
-    # Keyed on the build command too (kernel_phases.py and the torch install's flags).
+    # Keyed on the build command too (kernel_phases.py, the torch install's flags, --arith).
+    defines = ["-DPAGED_OPS_PHASE_ARITH=1"] if arith else []
     flags_key = kp.script_digest(variant).hexdigest()
     todo = {}
     sos = {}
     for rev in revs:
         staging = tempfile.mkdtemp(dir=build_dir)
         key = extract(rev, staging)
-        out = os.path.join(build_dir, f"{key}-{flags_key[:8]}")
+        out = os.path.join(build_dir, f"{key}-{flags_key[:8]}{'-arith' if arith else ''}")
         so = os.path.join(out, f"kernel_{variant}.so")
         sos[rev] = so
         if os.path.exists(so) or out in todo:
@@ -76,7 +77,7 @@ def build(revs, build_dir, jobs, variant="avx2"):
         print(f"building {len(todo)} kernel(s) in {build_dir} ...", flush=True)
         with ThreadPoolExecutor(jobs) as ex:
             list(ex.map(lambda item: kp.compile_variant(os.path.join(item[0], "csrc"), item[1],
-                                                        variant=variant), todo.items()))
+                                                        defines, variant), todo.items()))
     return sos
 
 
@@ -91,13 +92,17 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=12, help="rounds (medians reported)")
     p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "paged_ops_ab"))
+    p.add_argument("--arith", action="store_true",
+                   help="time the arithmetic alone (kernel_phases.py's arith: K and V from the "
+                        "core's caches): changes to per-block work, without DRAM's noise")
     args = p.parse_args(argv)
     if len(args.revs) < 2:
         sys.exit("ab_kernels.py: give at least two revisions")
     kp.require_avx2("ab_kernels.py")
     torch.set_num_threads(args.threads)
     os.makedirs(args.build_dir, exist_ok=True)
-    sos = build(args.revs, args.build_dir, min(args.threads, len(args.revs)), args.variant)
+    sos = build(args.revs, args.build_dir, min(args.threads, len(args.revs)), args.variant,
+                args.arith)
 
     libs = [kp.load_kernel_table(sos[rev]) for rev in args.revs]  # kept loaded for the run
     tables = [(rev, tab) for rev, (_, tab) in zip(args.revs, libs)]
@@ -116,7 +121,8 @@ def main(argv=None):
     kp.time_interleaved(tables, [(c[5], max(3, 32768 // c[3]), c[6]) for c in cases], args.reps)
 
     print(f"{args.threads} threads, {H}q/{Hkv}kv, head size {D}, block size {bs}; per (block, "
-          f"kv head) on one thread, median of {args.reps} rounds; speed-up over {args.revs[0]}")
+          f"kv head) on one thread, median of {args.reps} rounds; speed-up over {args.revs[0]}"
+          + ("; arithmetic alone (GB/s-eq)" if args.arith else ""))
     for dn, B, L, block_heads, nbytes, _, times in cases:
         base = statistics.median(times[args.revs[0]])
         line = f"{dn:5s} B={B:<4d} L={L:<6d}"
