@@ -5,8 +5,10 @@ GB/s (the K and V bytes of the visible tokens, read once, plus q and out) and th
 percentage of the read bandwidth measured in the same run (``torch.sum`` over as many bytes as
 the caches; on CUDA the GPU's peak). Ratios measured in one run survive a noisy, shared machine.
 On the CPU each row also gives its share of the roofline: min(read bandwidth, FMA rate x cache
-bytes per flop of the call), the FMA rate measured in the same run by an fp32 GEMM
-(paged_ops.tune.gemm_gflops), so that a CPU where the call is compute-bound shows as one.
+bytes per flop of the call), the FMA rate measured in the same run by a GEMM
+(paged_ops.tune.gemm_gflops): fp32 for q.k and p.v on fp32 paths, bf16 for the paths that
+multiply bf16 pairs (the row's ``paths``, paged_ops.cpu_plan), so that a CPU where the call is
+compute-bound shows as one.
 
 Every call reads a different layer's caches: the run cycles through copies of the caches that
 total ``--cache-gib`` (default 1 GiB), so no call finds its K/V in a last-level cache that
@@ -374,8 +376,13 @@ def _grid_rows(caches, dname, shapes, heads, head_size, variants, bw, baseline, 
                        cache_gib=caches.total_bytes / (1 << 30), us=t * 1e6, gbs=gbs,
                        bw_gbs=bw, pct_bw=100 * gbs / bw)
             if gflops:
-                roof = roofline_gbs(bw, gflops, DTYPES[dname], num_heads // num_kv_heads)
-                row.update(gflops=gflops, roof_gbs=roof, pct_roof=100 * gbs / roof)
+                group = num_heads // num_kv_heads
+                plan = paged_ops.cpu_plan(q.dtype, DTYPES[dname], caches.block_size, head_size,
+                                          group)
+                paths = (plan["qk_path"], plan["pv_path"])
+                roof = roofline_gbs(bw, gflops[0], DTYPES[dname], group, gflops[1], paths)
+                row.update(gflops=gflops[0], bf16_gflops=gflops[1], paths="/".join(paths),
+                           roof_gbs=roof, pct_roof=100 * gbs / roof)
             if baseline:
                 run(0)
                 err = (ref - out.float()).abs().max().item()
@@ -654,7 +661,7 @@ def read_csv_rows(paths):
                     r[k] = int(r[k])
                 for k in ("us", "gbs", "bw_gbs", "pct_bw"):
                     r[k] = float(r[k])
-                for k in ("gflops", "roof_gbs", "pct_roof"):  # CPU rows of a CSV with them
+                for k in ("gflops", "bf16_gflops", "roof_gbs", "pct_roof"):  # CPU rows with them
                     r[k] = float(r[k]) if r.get(k) else None
                 rows.append(r)
     return rows
@@ -686,14 +693,16 @@ def run_benchmark(a):
             print(f"read bandwidth: {bw:.1f} GB/s ({how})", flush=True)
         return statistics.median(bws)
 
-    gfs = []
+    gfs, gfs16 = [], []
 
     def gflops_ref():
-        # The compute side of the roofline, re-measured with the bandwidth; the median so far.
+        # The compute side of the roofline, re-measured with the bandwidth; the medians so far
+        # (fp32, and bf16 for the paths that multiply bf16 pairs).
         gfs.append(gemm_gflops())
+        gfs16.append(gemm_gflops(dtype=torch.bfloat16))
         if len(gfs) == 1:
-            print(f"fp32 GEMM (torch.mm): {gfs[0]:.1f} GFLOP/s", flush=True)
-        return statistics.median(gfs)
+            print(f"GEMM (torch.mm): fp32 {gfs[0]:.1f}, bf16 {gfs16[0]:.1f} GFLOP/s", flush=True)
+        return statistics.median(gfs), statistics.median(gfs16)
 
     print(f"paged_ops attention benchmark on {device}: {info['cpu']} ({info['cores']} CPUs), "
           f"{info['date']}, commit {info['commit']}")

@@ -17,9 +17,10 @@ All block sizes of a shape and cache dtype are timed in the same rounds (their c
 GiB each, are held at once). Prints GB/s (K and V read once per call), its share of the read
 bandwidth and of the roofline, each kernel's time relative to the first kernel's, and its
 time relative to its best block size of the dtype ("of best bs"). The roofline is min(read
-bandwidth, FMA rate x cache bytes per flop of the call), the FMA rate an fp32 GEMM timed in
-the same rounds (paged_ops.tune.gemm_gflops): a cell where the CPU is compute-bound shows as
-one.
+bandwidth, what the call's arithmetic allows): q.k and p.v each at the FMA rate of the path the
+selected builds and plans take (paged_ops.cpu_plan), an fp32 GEMM timed in the same rounds
+(paged_ops.tune.gemm_gflops), or a bf16 GEMM for the paths that multiply bf16 pairs; the
+paths are printed beside the roof. A cell where the CPU is compute-bound shows as one.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import time
 import torch
 
 import paged_ops
-from paged_ops.tune import gemm_gflops, roofline_gbs
+from paged_ops.tune import BF16_PV_PATHS, BF16_QK_PATHS, gemm_gflops, roofline_gbs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402
@@ -122,34 +123,45 @@ def main(argv=None):
                     torch.ops.paged.attention_out(out, q, kc, vc, bt, sl, D**-0.5, None, -1,
                                                   0.0, ks, vs, L)
 
+                # The roofline by the paths of the selected builds and plans, what a user runs.
+                use("selected")
+                plan = paged_ops.cpu_plan(q.dtype, CACHE[dn], bs, D, H // Hkv)
+                paths = (plan["qk_path"], plan["pv_path"])
                 use(kernels[0][1])
                 t0 = time.perf_counter()
                 for i in range(len(caches)):
                     call(i)
                 per_call = (time.perf_counter() - t0) / len(caches)
                 n_calls = max(len(caches), round(args.min_time / per_call))
-                cells.append((bs, call, n_calls, nbytes, {name: [] for name, _ in kernels}))
-            bw, gf = [], []
+                cells.append((bs, call, n_calls, nbytes, {name: [] for name, _ in kernels},
+                              paths))
+            # The bf16 GEMM rate only where a cell's paths multiply bf16 pairs.
+            bf16 = any(p[0] in BF16_QK_PATHS or p[1] in BF16_PV_PATHS for *_, p in cells)
+            bw, gf, gf16 = [], [], []
             for r in range(args.reps):
                 t0 = time.perf_counter()
                 big.sum()
                 bw.append(big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
                 gf.append(gemm_gflops(min_time=0.02))
-                for _bs, call, n_calls, _nbytes, times in cells if r % 2 == 0 else cells[::-1]:
+                if bf16:
+                    gf16.append(gemm_gflops(min_time=0.02, dtype=torch.bfloat16))
+                for _bs, call, n_calls, _nbytes, times, _ in cells if r % 2 == 0 else cells[::-1]:
                     for name, k in kernels if r % 2 == 0 else kernels[::-1]:
                         use(k)
                         t0 = time.perf_counter()
                         for i in range(n_calls):
                             call(i)
                         times[name].append((time.perf_counter() - t0) / n_calls)
-            gbw = statistics.median(bw)
-            roof = roofline_gbs(gbw, statistics.median(gf), CACHE[dn], H // Hkv)
+            gbw, gemm = statistics.median(bw), statistics.median(gf)
+            gemm16 = statistics.median(gf16) if gf16 else None
             best = {name: min(statistics.median(c[4][name]) for c in cells)
                     for name, _ in kernels}
-            for bs, _call, _n_calls, nbytes, times in cells:
+            for bs, _call, _n_calls, nbytes, times, paths in cells:
+                roof = roofline_gbs(gbw, gemm, CACHE[dn], H // Hkv, gemm16, paths)
                 base = statistics.median(times[kernels[0][0]])
                 line = (f"B={B:<3d} L={L:<5d} {dn:8s} bs {bs:3d} bw {gbw:5.1f} "
-                        f"gemm {statistics.median(gf):5.1f} roof {roof:5.1f} |")
+                        f"gemm {gemm:5.1f}" + (f"/{gemm16:5.1f}" if gemm16 else "")
+                        + f" roof {roof:5.1f} ({'/'.join(paths)}) |")
                 for name, _ in kernels:
                     t = statistics.median(times[name])
                     line += (f" {name} {t * 1e3:6.2f} ms {nbytes / t / 1e9:5.1f} GB/s "

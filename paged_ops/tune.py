@@ -55,13 +55,15 @@ def read_bandwidth_gbs(t: torch.Tensor, reps: int = 3) -> float:
     return f.numel() * f.element_size() / best / 1e9
 
 
-def gemm_gflops(min_time: float = 0.1, n: int = 512) -> float:
-    """The fp32 FMA rate (GFLOP/s) of this process's threads: torch.mm of n x n matrices (in
-    the caches), the best of a few timings of ``min_time`` seconds in all."""
+def gemm_gflops(min_time: float = 0.1, n: int = 512, dtype: torch.dtype = torch.float32) -> float:
+    """The FMA rate (GFLOP/s) of this process's threads: torch.mm of n x n matrices (in the
+    caches), the best of a few timings of ``min_time`` seconds in all. ``dtype`` fp32: the rate
+    of the kernel's fp32 paths; bf16: of its bf16-pair paths (BF16_QK_PATHS, BF16_PV_PATHS),
+    which oneDNN's bf16 GEMM runs on the same instructions (vdpbf16ps, AMX tiles)."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g)
-    b = torch.randn(n, n, generator=g)
-    c = torch.empty(n, n)
+    a = torch.randn(n, n, generator=g).to(dtype)
+    b = torch.randn(n, n, generator=g).to(dtype)
+    c = torch.empty(n, n, dtype=dtype)
     torch.mm(a, b, out=c)
     best, spent = math.inf, 0.0
     while spent < min_time:
@@ -74,15 +76,32 @@ def gemm_gflops(min_time: float = 0.1, n: int = 512) -> float:
     return 2 * n**3 / best / 1e9
 
 
+# The q.k and p.v paths (cpu_plan's names) that multiply bf16 pairs, two multiply-adds per fp32
+# lane: their compute roof is the bf16 GEMM's rate, the other paths' the fp32 GEMM's.
+BF16_QK_PATHS = frozenset({"dot_bf16", "amx"})
+BF16_PV_PATHS = frozenset({"dot", "amx"})
+
+
 def bytes_per_flop(cache_dtype: torch.dtype, group: int) -> float:
     """Cache bytes a decode call reads per flop: each K and V element (esize bytes) takes a
     multiply-add (2 flops) per query head of its group, for q.k and for p.v alike."""
     return torch.empty((), dtype=cache_dtype).element_size() / (2 * group)
 
 
-def roofline_gbs(bw_gbs: float, gflops: float, cache_dtype: torch.dtype, group: int) -> float:
-    """The highest GB/s a decode call can reach: min(read bandwidth, FMA rate x bytes/flop)."""
-    return min(bw_gbs, gflops * bytes_per_flop(cache_dtype, group))
+def roofline_gbs(bw_gbs: float, gflops: float, cache_dtype: torch.dtype, group: int,
+                 bf16_gflops: float | None = None, paths: tuple | None = None) -> float:
+    """The highest GB/s a decode call can reach: min(read bandwidth, what its arithmetic
+    allows). q.k (on K, half the bytes) and p.v (on V) each do the multiply-adds of
+    bytes_per_flop at the rate of their path, ``paths`` = (qk_path, pv_path) as cpu_plan names
+    them: ``bf16_gflops`` for the bf16-pair paths, ``gflops`` (fp32) for the others and where
+    no paths or bf16 rate are given."""
+    qk_rate = pv_rate = gflops
+    if paths is not None and bf16_gflops:
+        qk_rate = bf16_gflops if paths[0] in BF16_QK_PATHS else gflops
+        pv_rate = bf16_gflops if paths[1] in BF16_PV_PATHS else gflops
+    # Seconds per byte: half the bytes at each phase's rate.
+    compute_gbs = 2 * bytes_per_flop(cache_dtype, group) / (1 / qk_rate + 1 / pv_rate)
+    return min(bw_gbs, compute_gbs)
 
 
 # --- Workload ---------------------------------------------------------------------------------
@@ -372,20 +391,32 @@ def main(argv=None) -> list:
           f"cycled over {gib:g} GiB; {rounds} rounds x {calls} calls per timing", flush=True)
     print(f"read bandwidth {bw:.1f} GB/s (torch.sum), fp32 GEMM {gflops:.1f} GFLOP/s",
           flush=True)
+    bf16_gflops = []  # measured on first need: only the bf16-pair paths run at that rate
+
+    def roof_of(c, key):
+        """The roofline of candidate c's calls: q.k and p.v at the rates of its paths."""
+        paths = (c.d["qk_path"], c.d["pv_path"])
+        if not bf16_gflops and (paths[0] in BF16_QK_PATHS or paths[1] in BF16_PV_PATHS):
+            bf16_gflops.append(gemm_gflops(dtype=torch.bfloat16))
+            print(f"bf16 GEMM {bf16_gflops[0]:.1f} GFLOP/s (the bf16-pair paths' roof)",
+                  flush=True)
+        return roofline_gbs(bw, gflops, key[1], group, bf16_gflops[0] if bf16_gflops else None,
+                            paths)
+
     all_plans, summary = [], []
     try:
         for key in keys:
             plans, timed, rules, winner = tune_key(w, key, a.q_heads, a.kv_heads, builds,
                                                    rounds, calls)
-            roof = roofline_gbs(bw, gflops, key[1], group)
+            roof = roof_of(winner, key)
             print(f"\n{key_name(key)}: {w.nbytes / 1e6:.1f} MB per call, roofline "
-                  f"{roof:.1f} GB/s", flush=True)
+                  f"{roof:.1f} GB/s (the winner's paths)", flush=True)
             print(f"  {'candidate':45s} {'ms':>8s} {'GB/s':>7s} {'roofline':>8s}")
             for c in timed:
                 t = c.median()
                 mark = " <- winner" if c is winner else ""
                 print(f"  {c.label:45s} {t * 1e3:8.3f} {w.nbytes / t / 1e9:7.2f} "
-                      f"{100 * w.nbytes / t / 1e9 / roof:7.0f}%{mark}")
+                      f"{100 * w.nbytes / t / 1e9 / roof_of(c, key):7.0f}%{mark}")
             summary.append((key, rules.median(), winner, winner is rules, roof, w.nbytes))
             all_plans += plans
     finally:

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -51,6 +53,7 @@ def test_bench_attention_grid_smoke(tmp_path):
     import torch
 
     import paged_ops
+    from paged_ops import tune
 
     ba = load("bench_attention")
     selected = paged_ops._selection
@@ -66,6 +69,10 @@ def test_bench_attention_grid_smoke(tmp_path):
     for r in grid:
         assert r["layers"] >= 2 and r["gbs"] > 0 and r["pct_bw"] > 0
         assert r["max_err"] < 2e-2, r
+        # The roof by the row's own paths: each phase at its path's GEMM rate.
+        qk, pv = r["paths"].split("/")
+        assert r["roof_gbs"] == pytest.approx(tune.roofline_gbs(
+            r["bw_gbs"], r["gflops"], ba.DTYPES[r["dtype"]], 2, r["bf16_gflops"], (qk, pv)))
     assert paged_ops._selection == selected  # the selection is restored
     name, cells = selected
     for bs, dtype in ((1, torch.float32), (8, torch.float32), (24, torch.bfloat16)):

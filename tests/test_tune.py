@@ -442,6 +442,34 @@ def test_bad_knobs_are_rejected():
             _plans.check_knobs(knobs)
 
 
+# --- Roofline ----------------------------------------------------------------------------------
+
+def test_roofline_takes_q_k_and_p_v_each_at_the_rate_of_its_path():
+    # bf16 cache, 4 query heads per kv head: 2 bytes per 8 flops. q.k reads K and p.v reads V,
+    # half the bytes each, so a call's arithmetic allows 2 * 0.25 / (1 / qk + 1 / pv) GB/s.
+    bw, fp32, bf16 = 1000.0, 100.0, 200.0
+    assert tune.bytes_per_flop(torch.bfloat16, 4) == 0.25
+    assert tune.roofline_gbs(bw, fp32, torch.bfloat16, 4) == pytest.approx(25.0)
+    cases = {("tile", "group"): 25.0, ("dot_bf16", "dot"): 50.0, ("amx", "amx"): 50.0,
+             ("dot_bf16", "group"): 0.5 / (1 / 200 + 1 / 100),
+             ("fp8_tables", "dot"): 0.5 / (1 / 100 + 1 / 200)}
+    for paths, want in cases.items():
+        assert tune.roofline_gbs(bw, fp32, torch.bfloat16, 4, bf16, paths) == pytest.approx(want)
+    # Without a bf16 rate every phase takes the fp32 one; the read bandwidth caps the roof.
+    assert tune.roofline_gbs(bw, fp32, torch.bfloat16, 4, None, ("dot_bf16", "dot")) == 25.0
+    assert tune.roofline_gbs(30.0, fp32, torch.bfloat16, 4, bf16, ("dot_bf16", "dot")) == 30.0
+    assert tune.roofline_gbs(bw, fp32, torch.float8_e4m3fn, 4, bf16, ("dot_bf16", "dot")) == \
+        pytest.approx(25.0)  # 1 byte per 8 flops at 200 GFLOP/s
+    # Every path name the kernel reports is either a bf16-pair path or an fp32 one.
+    assert tune.BF16_QK_PATHS <= set(_plans.QK_PATHS)
+    assert tune.BF16_PV_PATHS <= set(_plans.PV_PATHS)
+
+
+def test_gemm_rate_probes_fp32_and_bf16():
+    assert tune.gemm_gflops(min_time=1e-6, n=64) > 0
+    assert tune.gemm_gflops(min_time=1e-6, n=64, dtype=torch.bfloat16) > 0
+
+
 # --- Tuner -------------------------------------------------------------------------------------
 
 TINY = ["--quick", "--head-size", "64", "--q-heads", "4", "--kv-heads", "2", "--batch", "2",
