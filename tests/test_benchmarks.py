@@ -122,6 +122,19 @@ def test_benchmark_scripts_print_their_help():
         assert run.returncode == 0 and "usage" in run.stdout, (name, run.stderr[-2000:])
 
 
+@pytest.mark.parametrize("name", ["scattered_read", "cache_write_lines", "overlap_model"])
+def test_cpp_benchmarks_compile(name):
+    # The C++ probes build as their headers say (compiled, not run: each reads 1 GiB).
+    import platform
+    import shutil
+    if shutil.which("g++") is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs g++ on x86-64")
+    src = os.path.join(ROOT, "benchmarks", f"{name}.cpp")
+    run = subprocess.run(["g++", "-fsyntax-only", "-Wall", "-Werror", "-mavx2", "-mfma",
+                          "-fopenmp", src], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_bench_prefill_quick_runs(capsys):
     # benchmarks/bench_prefill.py --quick: a row per case and thread count, ours equal to SDPA.
     import torch
