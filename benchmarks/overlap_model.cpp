@@ -79,23 +79,21 @@ int main(int argc, char** argv) {
             return h + 1 < heads ? block(base, b0 + k) + (h + 1) * piece
                                  : block(base, b0 + group + k);
           };
-          for (size_t k = 0; k < group; ++k) {  // q.k
-            const char* p = block(kbase, b0 + k) + h * piece;
-            const char* pf = next(kbase, k);
-            for (size_t l = 0; l < lines; ++l) {
-              _mm_prefetch(pf + l * 64, _MM_HINT_T2);
-              a = work(_mm256_add_ps(a, _mm256_loadu_ps((const float*)(p + l * 64))), qk);
+          // One phase: the group's pieces of kv head h, each line prefetched for the next step
+          // as the same line of this one is read.
+          auto phase = [&](const char* base, int fmas) {
+            for (size_t k = 0; k < group; ++k) {
+              const char* p = block(base, b0 + k) + h * piece;
+              const char* pf = next(base, k);
+              for (size_t l = 0; l < lines; ++l) {
+                _mm_prefetch(pf + l * 64, _MM_HINT_T2);
+                a = work(_mm256_add_ps(a, _mm256_loadu_ps((const float*)(p + l * 64))), fmas);
+              }
             }
-          }
-          a = work(a, sm);  // softmax
-          for (size_t k = 0; k < group; ++k) {  // p.v
-            const char* p = block(vbase, b0 + k) + h * piece;
-            const char* pf = next(vbase, k);
-            for (size_t l = 0; l < lines; ++l) {
-              _mm_prefetch(pf + l * 64, _MM_HINT_T2);
-              a = work(_mm256_add_ps(a, _mm256_loadu_ps((const float*)(p + l * 64))), pv);
-            }
-          }
+          };
+          phase(kbase, qk);  // q.k
+          a = work(a, sm);   // softmax
+          phase(vbase, pv);  // p.v
         }
       return a[0];
     };
