@@ -36,7 +36,7 @@ import time
 import torch
 
 import paged_ops
-from paged_ops.tune import BF16_PV_PATHS, BF16_QK_PATHS, gemm_gflops, roofline_gbs
+from paged_ops.tune import bf16_phases, gemm_gflops, roofline_gbs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402
@@ -136,7 +136,7 @@ def main(argv=None):
                 cells.append((bs, call, n_calls, nbytes, {name: [] for name, _ in kernels},
                               paths))
             # The bf16 GEMM rate only where a cell's paths multiply bf16 pairs.
-            bf16 = any(p[0] in BF16_QK_PATHS or p[1] in BF16_PV_PATHS for *_, p in cells)
+            bf16 = any(any(bf16_phases(p)) for *_, p in cells)
             bw, gf, gf16 = [], [], []
             for r in range(args.reps):
                 t0 = time.perf_counter()

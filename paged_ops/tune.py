@@ -9,7 +9,7 @@ fastest to the plan file (paged_ops.plan_cache_path()), which import reads.
 
 The candidates of a key are raced in stages, each against the best so far (the rules first):
 the builds this CPU runs (with the rules' paths), the q.k x p.v paths open to the key on the
-winning build, where the next blocks' key lines are split between q.k and p.v all of them
+winning build, where the next blocks' key lines are split between q.k and p.v, all of them
 over q.k, the blocks per softmax step, then no prefetching; last, the winner races the
 rules once more, in twice the rounds, and is kept only if it wins again. Every race
 interleaves its candidates in rounds (every other round in reverse order) and compares each
@@ -82,6 +82,12 @@ BF16_QK_PATHS = frozenset({"dot_bf16", "amx"})
 BF16_PV_PATHS = frozenset({"dot", "amx"})
 
 
+def bf16_phases(paths: tuple) -> tuple:
+    """(q.k, p.v): whether each phase of ``paths`` = (qk_path, pv_path) multiplies bf16 pairs,
+    and so runs at the bf16 GEMM's rate."""
+    return paths[0] in BF16_QK_PATHS, paths[1] in BF16_PV_PATHS
+
+
 def bytes_per_flop(cache_dtype: torch.dtype, group: int) -> float:
     """Cache bytes a decode call reads per flop: each K and V element (esize bytes) takes a
     multiply-add (2 flops) per query head of its group, for q.k and for p.v alike."""
@@ -97,8 +103,7 @@ def roofline_gbs(bw_gbs: float, gflops: float, cache_dtype: torch.dtype, group: 
     no paths or bf16 rate are given."""
     qk_rate = pv_rate = gflops
     if paths is not None and bf16_gflops:
-        qk_rate = bf16_gflops if paths[0] in BF16_QK_PATHS else gflops
-        pv_rate = bf16_gflops if paths[1] in BF16_PV_PATHS else gflops
+        qk_rate, pv_rate = (bf16_gflops if b else gflops for b in bf16_phases(paths))
     # Seconds per byte: half the bytes at each phase's rate.
     compute_gbs = 2 * bytes_per_flop(cache_dtype, group) / (1 / qk_rate + 1 / pv_rate)
     return min(bw_gbs, compute_gbs)
@@ -396,7 +401,7 @@ def main(argv=None) -> list:
     def roof_of(c, key):
         """The roofline of candidate c's calls: q.k and p.v at the rates of its paths."""
         paths = (c.d["qk_path"], c.d["pv_path"])
-        if not bf16_gflops and (paths[0] in BF16_QK_PATHS or paths[1] in BF16_PV_PATHS):
+        if not bf16_gflops and any(bf16_phases(paths)):
             bf16_gflops.append(gemm_gflops(dtype=torch.bfloat16))
             print(f"bf16 GEMM {bf16_gflops[0]:.1f} GFLOP/s (the bf16-pair paths' roof)",
                   flush=True)
