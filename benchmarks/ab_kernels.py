@@ -13,7 +13,9 @@ alternating cancels that.
     python benchmarks/ab_kernels.py HEAD~1 . --variant avx512_bf16 --block-size 128
 
 Prints, per dtype and shape, each kernel's median time per (block, kv head) on one thread, its
-GB/s (K and V read once) and its speed-up over the first revision.
+GB/s (K and V read once) and its speed-up over the first revision; and the read bandwidth of one
+torch.sum over 1 GiB at the start of every round (median and range), which shows the shared
+host's bandwidth state while the kernels ran.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402
 import kernel_phases as kp  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,6 +98,9 @@ def main(argv=None):
     p.add_argument("--arith", action="store_true",
                    help="time the arithmetic alone (kernel_phases.py's arith: K and V from the "
                         "core's caches): changes to per-block work, without DRAM's noise")
+    p.add_argument("--probe-gib", type=float, default=1.0,
+                   help="GiB read by torch.sum at the start of every round, to show the host's "
+                        "bandwidth state during the run (0: none)")
     args = p.parse_args(argv)
     if len(args.revs) < 2:
         sys.exit("ab_kernels.py: give at least two revisions")
@@ -118,11 +124,15 @@ def main(argv=None):
             cases.append((dn, B, L, block_heads, 2 * B * L * Hkv * D * es, run,
                           {rev: [] for rev in args.revs}))
     # ~20 ms of calls per timing, or more
-    kp.time_interleaved(tables, [(c[5], max(3, 32768 // c[3]), c[6]) for c in cases], args.reps)
+    probe = (ba.probe_buffer(args.probe_gib), []) if args.probe_gib > 0 else None
+    kp.time_interleaved(tables, [(c[5], max(3, 32768 // c[3]), c[6]) for c in cases], args.reps,
+                        probe)
 
     print(f"{args.threads} threads, {H}q/{Hkv}kv, head size {D}, block size {bs}; per (block, "
           f"kv head) on one thread, median of {args.reps} rounds; speed-up over {args.revs[0]}"
           + ("; arithmetic alone (GB/s-eq)" if args.arith else ""))
+    if probe is not None:
+        print(f"read bandwidth, one torch.sum per round: {kp.probe_summary(probe[1])}")
     for dn, B, L, block_heads, nbytes, _, times in cases:
         base = statistics.median(times[args.revs[0]])
         line = f"{dn:5s} B={B:<4d} L={L:<6d}"

@@ -16,7 +16,8 @@ Times are per (block, kv head) on one thread; q.k and p.v each do G * head_size 
 multiply-adds there, compared with the fp32 multiply-add rate (FMAs of the build's vector
 width) measured by a probe on as many threads as the benchmark uses (``--threads``). Builds with
 AVX512-BF16 also probe ``vdpbf16ps`` (two multiply-adds per fp32 lane), the instruction of their
-bf16 paths: the ideal time printed beside the FMA one.
+bf16 paths: the ideal time printed beside the FMA one. The kernel's share is of the read
+bandwidth of one torch.sum over 1 GiB at the start of every round, the median over the rounds.
 
     python benchmarks/kernel_phases.py                    # fp32, fp16, bf16, fp8; B=8 L=2048
     python benchmarks/kernel_phases.py --dtypes bf16 --shape 32x512 --reps 15 --block-size 128
@@ -229,16 +230,20 @@ def decode_call(B, L, H, Hkv, D, bs, dname):
     return run, kc.element_size()
 
 
-def time_interleaved(tables, cases, reps):
+def time_interleaved(tables, cases, reps, probe=None):
     """Times every case with every kernel, round after round, switching kernels through the
     package's CPU kernel table. tables: [(name, table pointer)]; cases: [(run, calls per
     timing, {name: [seconds per call]})], appended to. Every other round runs the kernels in
     reverse order: the kernel timed first in a round measured 2-5% apart from the others,
-    whichever it was."""
+    whichever it was. probe: (buffer, [GB/s]): one torch.sum over the buffer at the start of
+    every round, its read bandwidth appended, so that a run shows which bandwidth state the
+    shared host was in while it ran (round_probe)."""
     setk = paged_ops._C_LIB.paged_ops_set_cpu_kernel_table
     before = paged_ops._selection
     try:
         for r in range(reps):
+            if probe is not None:
+                probe[1].append(round_probe(probe[0]))
             for run, n_calls, times in cases:
                 for name, tab in tables if r % 2 == 0 else tables[::-1]:
                     setk(ctypes.c_void_p(tab))
@@ -249,6 +254,21 @@ def time_interleaved(tables, cases, reps):
                     times[name].append((time.perf_counter() - t0) / n_calls)
     finally:
         paged_ops._set_selection(before)
+
+
+def round_probe(buf):
+    """GB/s of one torch.sum over buf (sized beyond the last-level cache). On the shared hosts
+    of benchmarks/RESULTS.md the read bandwidth flips between states about 1.6x apart for
+    seconds to minutes at a time, whatever runs here; one read per round shows the state."""
+    t0 = time.perf_counter()
+    buf.sum()
+    return buf.numel() * buf.element_size() / (time.perf_counter() - t0) / 1e9
+
+
+def probe_summary(gbs):
+    """'median (min-max) GB/s' of round_probe's readings."""
+    return (f"{statistics.median(gbs):.1f} ({min(gbs):.1f}-{max(gbs):.1f}) GB/s"
+            if gbs else "none")
 
 
 def main(argv=None):
@@ -279,10 +299,8 @@ def main(argv=None):
                                       "fma512_rate" if lanes == 16 else "fma_rate")
     dot = fma_rate_per_thread(probe, args.threads, "dot_rate") if has_dot_bf16(args.variant) \
         else None
-    bw, _ = ba.read_bandwidth_gbs("cpu")
-    print(f"{args.threads} threads; read bandwidth {bw:.1f} GB/s (torch.sum); "
-          f"{fma / 1e9:.1f} G fp32 multiply-adds/s per thread ({lanes}-lane FMAs)"
-          + (f", {dot / 1e9:.2f} G vdpbf16ps/s" if dot else ""))
+    print(f"{args.threads} threads; {fma / 1e9:.1f} G fp32 multiply-adds/s per thread "
+          f"({lanes}-lane FMAs)" + (f", {dot / 1e9:.2f} G vdpbf16ps/s" if dot else ""))
 
     block_heads = B * ((L + bs - 1) // bs) * Hkv
     n_calls = max(1, 20000 // block_heads)
@@ -290,8 +308,12 @@ def main(argv=None):
     for dn in args.dtypes.split(","):
         run, es = decode_call(B, L, H, Hkv, D, bs, dn)
         cases.append((dn, es, run, {n: [] for n in tables}))
+    probe = (ba.probe_buffer(1.0), [])
     time_interleaved(list(tables.items()), [(run, n_calls, t) for _, _, run, t in cases],
-                     args.reps)
+                     args.reps, probe)
+    # The kernel's share: of the bandwidth read in the same rounds.
+    bw = statistics.median(probe[1])
+    print(f"read bandwidth, one torch.sum per round: {probe_summary(probe[1])}")
 
     G = H // Hkv
     macs = G * D * bs  # multiply-adds of q.k (and of p.v) per (block, kv head)
