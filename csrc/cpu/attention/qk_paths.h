@@ -204,10 +204,8 @@ inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb,
     if (k % sum_blocks + 1 < sum_blocks && k + 1 < nb) continue;
     const int64_t k_first = k - k % sum_blocks;
     if (!layout.amx())
-      for (int64_t r = 0; r < R; ++r)
-        sum_lane_groups(scratch.raw.data() + r * raw_row, layout.x_sum, (k - k_first + 1) * bs,
-                        scratch.p.data() + r * layout.group_row + k_first * block_row,
-                        z_scale);
+      sum_lane_groups_rows(scratch.raw.data(), raw_row, R, layout.x_sum, (k - k_first + 1) * bs,
+                           scratch.p.data() + k_first * block_row, layout.group_row, z_scale);
     for (int64_t kk = k_first; kk <= k; ++kk) finish_logits(w, hl, kk, b0 + kk, k_nan[kk]);
   }
 }
