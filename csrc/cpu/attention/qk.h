@@ -181,6 +181,37 @@ inline void qk_dot_step(const T* kblk, const float* qrep, float* raw, int64_t nu
     for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (unit0 + t) * W);
 }
 
+// q.k of a pair of blocks of 2 units each (bf16 pairs at block size W / 2, summed together:
+// Layout::sum_blocks): qk_dot_step's 4-unit step over two key blocks, units 0-1 from kb0 and
+// 2-3 from kb1 (raw holds the pair's sums one block after the other), so that the four share
+// each q load and the 16 accumulators of a tile overlap their latencies; each block's cursor
+// steps once per chunk, as in a call per block.
+template <int G_T, typename T>
+inline void qk_dot_pair(const T* kb0, const T* kb1, const float* qrep, float* raw,
+                        int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
+                        PrefetchCursor& pf0, PrefetchCursor& pf1) {
+  VecF a[G_T][4];
+  PAGED_UNROLL
+  for (int g = 0; g < G_T; ++g)
+    PAGED_UNROLL
+    for (int t = 0; t < 4; ++t) a[g][t] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    pf0.step();
+    pf1.step();
+    BF16Pairs k[4];
+    load_pairs2(kb0 + c * chunk_elems, k[0], k[1]);
+    load_pairs2(kb1 + c * chunk_elems, k[2], k[3]);
+    for (int g = 0; g < G_T; ++g) {
+      const BF16Pairs q = load_pairs(qrep + (g * num_chunks + c) * W);
+      for (int t = 0; t < 4; ++t) a[g][t] = dot_pairs(a[g][t], k[t], q);
+    }
+  }
+  PAGED_UNROLL
+  for (int g = 0; g < G_T; ++g)
+    PAGED_UNROLL
+    for (int t = 0; t < 4; ++t) a[g][t].store(raw + g * raw_stride + t * W);
+}
+
 // Steps of 4, 2 and 1 units (fp8: an even number, Layout::derive): 4 G_T + 4 + 1 vectors live
 // at once (21 of AVX-512's 32 registers for a tile of 4 rows). Every chunk iteration steps the
 // prefetch cursor once, as in qk_tile; qk_dot_iterations counts them.

@@ -156,6 +156,21 @@ inline void qk_block(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<
   }
 }
 
+// QkPath::DotBF16 on a pair of blocks k, k + 1 summed together (Layout::pair_qk): qk_dot_pair
+// for every row; pf0 and pf1 are the two blocks' cursors.
+template <typename CT>
+inline void qk_pair(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<CT>& g,
+                    PrefetchCursor& pf0, PrefetchCursor& pf1) {
+  if (!PAGED_OPS_PHASE_QK) return;
+  if constexpr (kDotCache<CT>) {
+    const Layout<CT>& layout = w.layout;
+    qk_row_tiles(w, hl, k, [&](auto rows, const float* qr, float* raw) {
+      qk_dot_pair<decltype(rows)::value>(g.k[k], g.k[k + 1], qr, raw, layout.num_chunks,
+                                         layout.chunk_elems, layout.raw_row, pf0, pf1);
+    });
+  }
+}
+
 // Logits of every row of kv head hl for each block of the group: p[r][k * block_row + t]; hidden
 // offsets and the padding up to block_row are -inf by position, never computed from cache data.
 template <typename CT>
@@ -182,10 +197,8 @@ inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb,
   const int64_t rest_steps = head < kbytes ? w.pv_calls() : 0;
   const int64_t sum_blocks = layout.sum_blocks;
   bool k_nan[kGroup] = {};
-  for (int64_t k = 0; k < nb; ++k) {
-    if constexpr (kScanNan)  // keys decoded by tables carry their NaN
-      k_nan[k] = layout.qk == QkPath::Tile && scan_keys(w, g, k);
-    PrefetchCursor pf;
+  // Block k's cursor of the next key lines over q.k (pf), and k_rest[k].
+  auto cursors = [&](int64_t k, PrefetchCursor& pf) {
     if (layout.staged()) {  // the listed lines, split as above (keys first)
       const char* const* lines = scratch.next_lines.data() + g.line_begin[k];
       const int64_t n = g.line_begin[k + 1] - g.line_begin[k], n_head = split ? n / 2 : n;
@@ -199,7 +212,20 @@ inline void logits(ItemState<CT>& w, int64_t hl, int64_t b0, int64_t nb,
                                        kbytes - head, rest_steps)
                       : PrefetchCursor();
     }
-    qk_block(w, hl, k, g, pf);
+  };
+  for (int64_t k = 0; k < nb; ++k) {
+    if constexpr (kScanNan)  // keys decoded by tables carry their NaN
+      k_nan[k] = layout.qk == QkPath::Tile && scan_keys(w, g, k);
+    if (layout.pair_qk && k % 2 == 0 && k + 1 < nb) {  // the pair's q.k at once
+      PrefetchCursor pf0, pf1;
+      cursors(k, pf0);
+      cursors(k + 1, pf1);
+      qk_pair(w, hl, k, g, pf0, pf1);
+    } else if (!layout.pair_qk || k % 2 == 0) {  // (an odd block of a pair is done)
+      PrefetchCursor pf;
+      cursors(k, pf);
+      qk_block(w, hl, k, g, pf);
+    }
     // The logits of blocks [k_first, k]: a pair's once both are summed in raw.
     if (k % sum_blocks + 1 < sum_blocks && k + 1 < nb) continue;
     const int64_t k_first = k - k % sum_blocks;
