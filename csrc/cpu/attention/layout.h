@@ -99,7 +99,9 @@ struct Layout {
   // q.k. The rules split them for 16-bit caches on the 16-lane builds where the p.v path
   // carries k_rest: their q.k is short next to p.v, and on the Xeon of RESULTS.md all of them
   // over q.k wait for the miss buffers (split: 1.02-1.07x). On Zen 4 all over q.k runs
-  // 0.98-1.12x of the split, so a tuned plan may choose (KernelPlan::split_keys).
+  // 0.98-1.12x of the split, so a tuned plan may choose (KernelPlan::split_keys). pv_dot_tile
+  // (bf16 at block size 8 on avx512_bf16; the Xeon takes AMX tiles there) gets none: all over
+  // q.k ran 1.09-1.16x in the probe's low state on Zen 4, 0.97-1.01x in its high one.
   static constexpr bool kSplitKeyPrefetch = sizeof(CT) == 2 && W == 16;
   bool split_keys = false;
 
@@ -134,7 +136,7 @@ struct Layout {
     choose_paths(c, P.plan.pv_path - 1);
     if (P.plan.prefetch == 1) prefetch = false;
     split_keys = kSplitKeyPrefetch && prefetch && P.plan.split_keys != 1 &&
-                 (group_pv() || pv == PvPath::HalfTile || pv == PvPath::Dot);
+                 (group_pv() || pv == PvPath::HalfTile);
   }
 
   // The paths open to the block size read: several may be; choose_paths takes one of each.
