@@ -191,7 +191,6 @@ struct ItemState {
     switch (layout.pv) {
       case PvPath::Tiny: return tiles * pv_tiny_steps(layout.D, layout.cache_bs);
       case PvPath::HalfTile: return tiles * pv_half_steps(layout.D, layout.rows_per_vector);
-      case PvPath::Dot: return tiles * pv_dot_steps(layout.dot_accs);
       case PvPath::GroupAny: return tiles * pv_any_steps(layout.D) * layout.NV;
       default: {  // pv_group's, with its template NVc
         const int nv = static_cast<int>(std::min<int64_t>(layout.NV, 4));

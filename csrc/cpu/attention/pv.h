@@ -461,13 +461,13 @@ inline void pv_tiny(const VT* const* src, const int64_t* off, int64_t n, const f
 // sum_lane_groups reads acc so at the end of the item. acc is kept across groups (rescaled by
 // SoftmaxState::step); init: the item's first group (acc is written, not read). One V load
 // feeds RT dot products and one probability load DT; each V line read asks for the same line
-// of the next block, and k_rest[k] (KREST) steps with it. Steps of 4, 2 and 1 accumulators
-// (fp8: 2, an even number of them, Layout::derive). MULTI: bs > 2 W, a compile-time choice (as
-// a run-time one, bf16 at block size 16 ran 0.86-0.91x).
-template <int RT, bool KREST, bool MULTI, typename T>
+// of the next block (the next key lines all go out over q.k: Layout::split_keys). Steps of 4,
+// 2 and 1 accumulators (fp8: 2, an even number of them, Layout::derive). MULTI: bs > 2 W, a
+// compile-time choice (as a run-time one, bf16 at block size 16 ran 0.86-0.91x).
+template <int RT, bool MULTI, typename T>
 inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride,
                         float* acc, int64_t acc_stride, int64_t accs, int64_t bs, bool init,
-                        const T* const* next, PrefetchCursor* k_rest) {
+                        const T* const* next) {
   // Accumulators per step: RT * DT + 2 DT + 2 vectors live, and fp8's 6 table and order
   // vectors (with 4, GCC keeps fp8's sums on the stack).
   constexpr int DT = is_fp8_v<T> ? 2 : 4;
@@ -484,7 +484,6 @@ inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int
       for (int u = 0; u < DTc; ++u)
         s[r][u] = init ? VecF(0.f) : VecF::loadu(acc + r * acc_stride + (a0 + u) * W);
     for (int64_t k = 0; k < nb; ++k) {
-      if constexpr (KREST) k_rest[k].step();
       const char* nx = reinterpret_cast<const char*>(next[k] + a0 * vrow);
       const T* vk = src[k] + a0 * vrow;
       const uint16_t* pk = pb + k * vrow;
@@ -532,20 +531,16 @@ inline void pv_dot_tile(const T* const* src, int64_t nb, const uint16_t* pb, int
 // tile of a kv head is, causal bf16 prefill (block size 16, head sizes 64 and 128, one thread,
 // Zen 4) ran 0.75-0.80x of this; the loop inlined into the kernel's group step instead of
 // here, decode at block sizes 8 and 16 0.88-0.97x.
-template <bool KREST, bool MULTI, typename T>
+template <bool MULTI, typename T>
 [[gnu::flatten]] __attribute__((noinline)) int64_t pv_dot_tiles(
     const T* const* src, int64_t nb, const uint16_t* pb, int64_t pb_stride, float* acc,
-    int64_t acc_stride, int64_t accs, bool init, const T* const* next, PrefetchCursor* k_rest,
-    int64_t R, int64_t bs) {
+    int64_t acc_stride, int64_t accs, bool init, const T* const* next, int64_t R, int64_t bs) {
   int64_t r = 0;
   for (; r + 4 <= R; r += 4)
-    pv_dot_tile<4, KREST, MULTI>(src, nb, pb + r * pb_stride, pb_stride, acc + r * acc_stride,
-                          acc_stride, accs, bs, init, next, k_rest);
+    pv_dot_tile<4, MULTI>(src, nb, pb + r * pb_stride, pb_stride, acc + r * acc_stride,
+                          acc_stride, accs, bs, init, next);
   return r;
 }
-
-// Steps of one pv_dot_tile call (k_rest's steps per block).
-inline int64_t pv_dot_steps(int64_t accs) { return accs / 4 + accs % 4 / 2 + accs % 2; }
 
 // The probability operand of pv_dot_tile for rows [0, R) and blocks [0, nb) of a group (p:
 // rows p_stride apart, blocks block_row apart, bs <= block_row), rounded to bf16 (to nearest

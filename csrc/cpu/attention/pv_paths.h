@@ -108,7 +108,6 @@ template <typename CT>
 inline void pv_path_dot(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
                         const GroupBlocks<CT>& g) {
   if constexpr (kDotCache<CT>) {
-    constexpr bool kSplit = Layout<CT>::kSplitKeyPrefetch;
     const Layout<CT>& layout = w.layout;
     const int64_t R = w.R, acc_row = layout.acc_row, accs = layout.dot_accs, bs = layout.bs;
     float* const acc_h = acc_rows(w, hl);
@@ -122,14 +121,13 @@ inline void pv_path_dot(ItemState<CT>& w, int64_t hl, int64_t nb, bool first,
       constexpr bool M = decltype(multi)::value;
       int64_t r = 0;
       if (R > 4)
-        r = pv_dot_tiles<kSplit, M>(src, nb, pd, pd_row, acc_h, acc_row, accs, first, g.v_next,
-                                    w.k_rest, R, bs);
+        r = pv_dot_tiles<M>(src, nb, pd, pd_row, acc_h, acc_row, accs, first, g.v_next, R, bs);
       for (; r + 4 <= R; r += 4)
-        pv_dot_tile<4, kSplit, M>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row,
-                                  acc_row, accs, bs, first, g.v_next, w.k_rest);
+        pv_dot_tile<4, M>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row, acc_row, accs,
+                          bs, first, g.v_next);
       for (; r < R; ++r)
-        pv_dot_tile<1, kSplit, M>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row,
-                                  acc_row, accs, bs, first, g.v_next, w.k_rest);
+        pv_dot_tile<1, M>(src, nb, pd + r * pd_row, pd_row, acc_h + r * acc_row, acc_row, accs,
+                          bs, first, g.v_next);
     };
     if (bs > 2 * W) tiles(std::true_type{});
     else tiles(std::false_type{});
