@@ -16,7 +16,8 @@ name=path of another kernel library (a build of another revision, e.g. by ab_ker
 All block sizes of a shape and cache dtype are timed in the same rounds (their caches, --gib
 GiB each, are held at once). Prints GB/s (K and V read once per call), its share of the read
 bandwidth and of the roofline, each kernel's time relative to the first kernel's, and its
-time relative to its best block size of the dtype ("of best bs"). The roofline is min(read
+time relative to its best block size of the dtype ("of best bs"); the shares and ratios are
+medians of per-round ones (the probes and times of the same round). The roofline is min(read
 bandwidth, what the call's arithmetic allows): q.k and p.v each at the FMA rate of the path the
 selected builds and plans take (paged_ops.cpu_plan), an fp32 GEMM timed in the same rounds
 (paged_ops.tune.gemm_gflops), or a bf16 GEMM for the paths that multiply bf16 pairs; the
@@ -154,20 +155,30 @@ def main(argv=None):
                         times[name].append((time.perf_counter() - t0) / n_calls)
             gbw, gemm = statistics.median(bw), statistics.median(gf)
             gemm16 = statistics.median(gf16) if gf16 else None
-            best = {name: min(statistics.median(c[4][name]) for c in cells)
+            # Ratios are taken round by round (times and probes of the same round) and their
+            # median printed: the host's bandwidth can change state between rounds.
+            best = {name: min(cells, key=lambda c: statistics.median(c[4][name]))[4][name]
                     for name, _ in kernels}
             for bs, _call, _n_calls, nbytes, times, paths in cells:
                 roof = roofline_gbs(gbw, gemm, CACHE[dn], H // Hkv, gemm16, paths)
-                base = statistics.median(times[kernels[0][0]])
+                roofs = [roofline_gbs(bw[r], gf[r], CACHE[dn], H // Hkv,
+                                      gf16[r] if gf16 else None, paths) for r in range(args.reps)]
+                base = times[kernels[0][0]]
                 line = (f"B={B:<3d} L={L:<5d} {dn:8s} bs {bs:3d} bw {gbw:5.1f} "
                         f"gemm {gemm:5.1f}" + (f"/{gemm16:5.1f}" if gemm16 else "")
                         + f" roof {roof:5.1f} ({'/'.join(paths)}) |")
                 for name, _ in kernels:
-                    t = statistics.median(times[name])
+                    ts = times[name]
+                    t = statistics.median(ts)
+
+                    def per_round(f, ts=ts):
+                        return statistics.median(f(r, ts[r]) for r in range(args.reps))
+
                     line += (f" {name} {t * 1e3:6.2f} ms {nbytes / t / 1e9:5.1f} GB/s "
-                             f"{100 * nbytes / t / 1e9 / gbw:3.0f}% bw "
-                             f"{100 * nbytes / t / 1e9 / roof:3.0f}% roof {base / t:4.2f}x "
-                             f"{t / best[name]:4.2f} of best bs |")
+                             f"{100 * per_round(lambda r, x: nbytes / x / 1e9 / bw[r]):3.0f}% bw "
+                             f"{100 * per_round(lambda r, x: nbytes / x / 1e9 / roofs[r]):3.0f}%"
+                             f" roof {per_round(lambda r, x: base[r] / x):4.2f}x "
+                             f"{per_round(lambda r, x: x / best[name][r]):4.2f} of best bs |")
                 print(line, flush=True)
             del cells
     use(before)
