@@ -1,8 +1,9 @@
 // Read bandwidth of scattered runs, by run length: what the layout of the paged cache lets the
 // CPU attention kernel read at (docs/cpu_kernel.md; figures in benchmarks/RESULTS.md). One pass
 // over 1 GiB cut into runs of RUN bytes visited in random order (each thread its own share),
-// summed with AVX2, with and without a software prefetch of the next run; then the same memory
-// in address order.
+// summed with AVX2, with and without a software prefetch of a later run (the next one, and the
+// 16th after the current one: how far ahead the prefetches must go before a core's misses in
+// flight, not the distance, bound small runs); then the same memory in address order.
 //
 //   g++ -O3 -mavx2 -fopenmp benchmarks/scattered_read.cpp -o /tmp/scattered_read
 //   OMP_NUM_THREADS=2 /tmp/scattered_read          # 4 KiB pages
@@ -23,13 +24,13 @@
 #include <random>
 #include <vector>
 
-static float sum_runs(const char* const* runs, size_t n, size_t run_bytes, bool prefetch) {
+static float sum_runs(const char* const* runs, size_t n, size_t run_bytes, size_t ahead) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   for (size_t r = 0; r < n; ++r) {
     const char* p = runs[r];
-    const char* next = runs[r + 1 < n ? r + 1 : r];
+    const char* next = runs[r + ahead < n ? r + ahead : r];
     for (size_t o = 0; o < run_bytes; o += 64) {
-      if (prefetch) _mm_prefetch(next + o, _MM_HINT_T1);
+      if (ahead > 0) _mm_prefetch(next + o, _MM_HINT_T1);
       a0 = _mm256_add_ps(a0, _mm256_loadu_ps(reinterpret_cast<const float*>(p + o)));
       a1 = _mm256_add_ps(a1, _mm256_loadu_ps(reinterpret_cast<const float*>(p + o + 32)));
     }
@@ -45,7 +46,7 @@ int main(int argc, char** argv) {
   if (huge && madvise(buf, total, MADV_HUGEPAGE) != 0) std::perror("madvise");
   std::memset(buf, 1, total);  // touch every page before timing
   const int threads = omp_get_max_threads();
-  auto gbs = [&](size_t run_bytes, bool shuffled, bool prefetch) {
+  auto gbs = [&](size_t run_bytes, bool shuffled, size_t ahead) {
     const size_t n = total / run_bytes, per = n / threads;
     std::vector<size_t> order(n);
     for (size_t i = 0; i < n; ++i) order[i] = i;
@@ -57,7 +58,7 @@ int main(int argc, char** argv) {
       float sink = 0;
       const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel reduction(+ : sink)
-      sink += sum_runs(runs.data() + omp_get_thread_num() * per, per, run_bytes, prefetch);
+      sink += sum_runs(runs.data() + omp_get_thread_num() * per, per, run_bytes, ahead);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       best = std::min(best, s);
       if (sink == 1.5f) std::printf(" ");  // keep the sums
@@ -65,9 +66,10 @@ int main(int argc, char** argv) {
     return double(per * threads * run_bytes) / best / 1e9;
   };
   std::printf("%d threads, %s pages, GB/s\n", threads, huge ? "huge" : "4 KiB");
-  std::printf("%10s %12s %12s\n", "run", "no prefetch", "prefetch");
+  std::printf("%10s %12s %12s %12s\n", "run", "no prefetch", "next run", "16 runs on");
   // From 256 B: one kv head of one block at block sizes 1-4 (head size 128, 16-bit or fp32).
   for (size_t bytes : {256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072})
-    std::printf("%10zu B %11.1f %12.1f\n", bytes, gbs(bytes, true, false), gbs(bytes, true, true));
-  std::printf("%10s %12.1f\n", "in order", gbs(64 << 10, false, false));
+    std::printf("%10zu B %11.1f %12.1f %12.1f\n", bytes, gbs(bytes, true, 0), gbs(bytes, true, 1),
+                gbs(bytes, true, 16));
+  std::printf("%10s %12.1f\n", "in order", gbs(64 << 10, false, 0));
 }
