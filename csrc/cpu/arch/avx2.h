@@ -29,6 +29,7 @@ using portable::pairs_in_register;
 // fp8 by byte tables: 16-lane builds only (kFp8Tables is off here).
 using portable::decode_fp8_by_tables;
 using portable::decode_fp8_pairs;
+using portable::decode_fp8_quads;
 using portable::kFp8TableOrder;
 using portable::kFp8Tables;
 

@@ -123,6 +123,24 @@ C10_ALWAYS_INLINE void decode_fp8_pairs(const uint8_t* b, BF16Pairs& lo, BF16Pai
   hi = load_pairs(v + 2 * W);
 }
 
+// fp8 -> bf16 pairs as decode_fp8_pairs, in the order its interleaves leave without a
+// reordering of the bytes: each 128-bit block L of lo holds values 16 L .. 16 L + 7 of the 4 W
+// bytes at b, of hi values 16 L + 8 .. 16 L + 15. With the fp8 key layout (x = 16) that is
+// token L's first and last 8 elements: q.k pairs them with q operands in the same order
+// (qk_dot_quads), where the order of the sum's terms is free.
+template <typename T>
+C10_ALWAYS_INLINE void decode_fp8_quads(const uint8_t* b, BF16Pairs& lo, BF16Pairs& hi) {
+  static_assert(sizeof(T) == 1 && W == 16, "decode_fp8_quads is written for 16 lanes");
+  uint16_t l[2 * W], h[2 * W];
+  for (int64_t L = 0; L < 4; ++L)
+    for (int64_t j = 0; j < 8; ++j) {
+      l[8 * L + j] = fp8_bf16_word<T>(b[16 * L + j]);
+      h[8 * L + j] = fp8_bf16_word<T>(b[16 * L + 8 + j]);
+    }
+  lo = load_pairs(l);
+  hi = load_pairs(h);
+}
+
 // a + v * p in the lanes set in mask (bit i: lane i), a as it is in the others, whatever v and
 // p hold there (NaN included): pv_group_any's vectors that straddle two V rows. And the
 // lanes of mask loaded from p, zero elsewhere (the others' addresses are not read).

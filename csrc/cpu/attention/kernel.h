@@ -76,9 +76,12 @@ inline void start(ItemState<CT>& w, const ItemInfo& info) {
     if (layout.amx()) continue;  // the query operands are packed below
     if (layout.qk == QkPath::DotBF16) {  // bf16 queries: each chunk's x values, repeated to 2 W
       char* rp = reinterpret_cast<char*>(scratch.qrep.data() + hr * num_chunks * q_repeat);
+      // fp8 keys (qk_dot_quads): the chunk's halves, each repeated to 2 W
+      const int64_t piece = is_fp8_v<CT> ? layout.x / 2 : layout.x;
       for (int64_t c = 0; c < num_chunks; ++c)
-        for (int64_t i = 0; i < 2 * W; i += layout.x, rp += layout.x * qsize)
-          std::memcpy(rp, q + c * layout.x * qsize, layout.x * qsize);
+        for (int64_t h = 0; h < layout.x; h += piece)
+          for (int64_t i = 0; i < 2 * W; i += piece, rp += piece * qsize)
+            std::memcpy(rp, q + (c * layout.x + h) * qsize, piece * qsize);
       continue;
     }
     float* qf = scratch.qf.data();

@@ -67,16 +67,18 @@ struct Layout {
   // even / odd elements.
   bool split_k;
   // q chunk repetition length (x, W: powers of 2). DotBF16: qrep holds the unscaled bf16 q
-  // (qk_scale multiplies the logits instead: q stays exact); Fp8Tables: each q chunk in the
-  // order decode_fp8_by_tables leaves (4 W floats), and raw 4 lanes per token.
+  // (qk_scale multiplies the logits instead: q stays exact), on fp8 keys in qk_dot_quads'
+  // order (2 W floats), and raw 4 lanes per token; Fp8Tables: each q chunk in the order
+  // decode_fp8_by_tables leaves (4 W floats), and raw 4 lanes per token.
   int64_t q_repeat;
   int64_t x_sum;  // raw lanes per token
   // Blocks whose q.k sums are summed across lanes together (1 or 2): two blocks of W / 2
   // tokens at 4 lanes per token fill the 4 vectors that one sum of sum_lane_groups reads,
   // where one block fills half of them. At 8 lanes per token one block fills them already.
   int64_t sum_blocks;
-  // DotBF16 on blocks of 2 units (2 W elements of a chunk each) summed in pairs: the q.k of a
-  // pair runs as one 4-unit step over both blocks (qk_dot_pair).
+  // DotBF16 on blocks of 2 units (2 W elements of a chunk each; fp8: 2 decodes) summed in
+  // pairs: the q.k of a pair runs as one 4-unit step over both blocks (qk_dot_pair; fp8:
+  // qk_dot_quads' pair step).
   bool pair_qk = false;
   int64_t NV;  // Group, GroupAny: V row vectors
   bool half_rows;  // GroupAny: block sizes (16 lanes) that end half a vector short of one
@@ -215,8 +217,13 @@ struct Layout {
       c.fp8_tables = c.fp8_tables && fqk == static_cast<int>(QkPath::Fp8Tables);
     }
     if (c.dot_bf16) c.fp8_tables = false;  // fp8 keys: DotBF16 reads them by the same tables
-    q_repeat = c.fp8_tables ? 4 * W : c.dot_bf16 ? W : split_k ? 2 * W : std::max<int64_t>(x, W);
-    x_sum = c.fp8_tables ? 4 : c.dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
+    // fp8 on DotBF16: two q operands per chunk and 4 lanes per token (qk_dot_quads).
+    const bool dot_fp8 = c.dot_bf16 && is_fp8_v<CT>;
+    q_repeat = c.fp8_tables ? 4 * W
+               : c.dot_bf16 ? (dot_fp8 ? 2 * W : W)
+               : split_k    ? 2 * W
+                            : std::max<int64_t>(x, W);
+    x_sum = c.fp8_tables || dot_fp8 ? 4 : c.dot_bf16 || q_repeat == 2 * W ? x / 2 : x;
     NV = bs / W;
     c.group = bs % W == 0 && (NV <= 3 || NV % 4 == 0);
     c.any = !c.group && bs > W && D % 2 == 0 && (bs % W == 0 || (W == 16 && 2 * bs % W == 0));
@@ -228,7 +235,7 @@ struct Layout {
     rows_per_vector = 2 * bs == W ? 2 : 4 * bs == W && bs >= 4 ? 4 : 0;
     c.half = rows_per_vector > 0 && D % rows_per_vector == 0;
     plain_logits = P.logits_soft_cap <= 0.f && P.alibi_slopes == nullptr;
-    qk_iters = c.dot_bf16     ? qk_dot_iterations(chunk_elems, num_chunks)
+    qk_iters = c.dot_bf16     ? qk_dot_iterations(chunk_elems, num_chunks, is_fp8_v<CT>)
                : c.fp8_tables ? qk_fp8_iterations(chunk_elems, num_chunks)
                               : qk_tile_iterations(chunk_elems, num_chunks, q_repeat);
     qk_scale = P.scale * P.k_scale * fp8_unit<CT>();
@@ -239,7 +246,7 @@ struct Layout {
             rows_max <= 16 && !no_amx && amx::usable();
     sum_blocks = kSumBlockPairs && 2 * bs == W && x_sum <= 4 && !c.amx ? 2 : 1;
     raw_row = std::max(raw_row, round_up(sum_blocks * bs * x_sum, W));
-    pair_qk = c.dot_bf16 && sum_blocks == 2 && chunk_elems == 4 * W;
+    pair_qk = c.dot_bf16 && sum_blocks == 2 && chunk_elems == (dot_fp8 ? 8 : 4) * W;
     // pv_dot_tile's block sizes; fp8 decodes two operands at once (an even number of sums).
     // From W up, bf16 takes Dot only where a plan forces it: pv_group ran 1.04-1.05x as fast
     // at block size 16 and 1.02-1.12x at 32-256 (Zen 4), while fp8 ran 1.23-1.50x as fast on

@@ -150,15 +150,14 @@ inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64
   return steps * num_chunks;
 }
 
-// q.k by bf16 pair dot products (Layout::dot_bf16): a unit is 2 W elements of a chunk (2 W / x
-// tokens' chunks; fp8 keys decoded to bf16 pairs two units at a time, load_pairs2), qrep[g][c]
-// the q chunk's x bf16 values repeated to 2 W (in W float slots), and raw gets W lanes per
-// unit, x / 2 pair sums per token. TOK units per step share each q load.
+// q.k of bf16 keys by bf16 pair dot products (Layout::dot_bf16; fp8 keys: qk_dot_quads): a
+// unit is 2 W elements of a chunk (2 W / x tokens' chunks), qrep[g][c] the q chunk's x bf16
+// values repeated to 2 W (in W float slots), and raw gets W lanes per unit, x / 2 pair sums per
+// token. TOK units per step share each q load.
 template <int G_T, int TOK, typename T>
 inline void qk_dot_step(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                         int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf,
                         int64_t unit0) {
-  static_assert(TOK % 2 == 0 || !is_fp8_v<T>, "fp8 keys are decoded two units at a time");
   VecF a[G_T][TOK];
   PAGED_UNROLL
   for (int g = 0; g < G_T; ++g)
@@ -212,26 +211,78 @@ inline void qk_dot_pair(const T* kb0, const T* kb1, const float* qrep, float* ra
     for (int t = 0; t < 4; ++t) a[g][t].store(raw + g * raw_stride + t * W);
 }
 
-// Steps of 4, 2 and 1 units (fp8: an even number, Layout::derive): 4 G_T + 4 + 1 vectors live
-// at once (21 of AVX-512's 32 registers for a tile of 4 rows). Every chunk iteration steps the
-// prefetch cursor once, as in qk_tile; qk_dot_iterations counts them.
+// q.k of fp8 keys by bf16 pair dot products (Layout::dot_bf16 on fp8): DEC decodes of 4 W
+// bytes (four tokens' chunks, x = 16) per step, each in decode_fp8_quads' order: block L of lo
+// is token L's elements 0-7, of hi its elements 8-15, against qrep[g][c] = the q chunk's
+// elements 0-7 repeated to 2 W bf16, then 8-15 likewise (2 W float slots). Both go to one
+// accumulator per decode: raw gets W lanes per decode, 4 per token (Layout::x_sum), half the
+// lanes decode_fp8_pairs' order leaves to sum, and without its byte reordering.
+// PAIR: decodes [0, DEC / 2) of kblk and as many of kblk1 (blocks of DEC / 2 decodes, summed
+// together: Layout::pair_qk), each block's cursor stepped once per chunk.
+template <int G_T, int DEC, bool PAIR = false, typename T>
+inline void qk_dot_quads(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
+                         int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf,
+                         int64_t dec0, const T* kblk1 = nullptr, PrefetchCursor* pf1 = nullptr) {
+  VecF a[G_T][DEC];
+  PAGED_UNROLL
+  for (int g = 0; g < G_T; ++g)
+    PAGED_UNROLL
+    for (int d = 0; d < DEC; ++d) a[g][d] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    pf.step();
+    if constexpr (PAIR) pf1->step();
+    const uint8_t* kc = reinterpret_cast<const uint8_t*>(kblk + c * chunk_elems) + dec0 * 4 * W;
+    BF16Pairs kl[DEC], kh[DEC];
+    if constexpr (PAIR) {
+      const uint8_t* kc1 = reinterpret_cast<const uint8_t*>(kblk1 + c * chunk_elems);
+      for (int d = 0; d < DEC / 2; ++d) {
+        decode_fp8_quads<T>(kc + d * 4 * W, kl[d], kh[d]);
+        decode_fp8_quads<T>(kc1 + d * 4 * W, kl[DEC / 2 + d], kh[DEC / 2 + d]);
+      }
+    } else {
+      for (int d = 0; d < DEC; ++d) decode_fp8_quads<T>(kc + d * 4 * W, kl[d], kh[d]);
+    }
+    for (int g = 0; g < G_T; ++g) {
+      const float* q = qrep + (g * num_chunks + c) * 2 * W;
+      const BF16Pairs ql = load_pairs(q), qh = load_pairs(q + W);
+      for (int d = 0; d < DEC; ++d) a[g][d] = dot_pairs(dot_pairs(a[g][d], kl[d], ql), kh[d], qh);
+    }
+  }
+  PAGED_UNROLL
+  for (int g = 0; g < G_T; ++g)
+    PAGED_UNROLL
+    for (int d = 0; d < DEC; ++d) a[g][d].store(raw + g * raw_stride + (dec0 + d) * W);
+}
+
+// Steps of 4, 2 and 1 units (fp8: qk_dot_quads, steps of 4, 2 and 1 decodes): 4 G_T
+// + 4 + 1 vectors live at once (21 of AVX-512's 32 registers for a tile of 4 rows). Every chunk
+// iteration steps the prefetch cursor once, as in qk_tile; qk_dot_iterations counts them.
 template <int G_T, typename T>
 inline void qk_tile_dot(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                         int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf) {
-  const int64_t units = chunk_elems / (2 * W);
-  int64_t u = 0;
-  for (; u + 4 <= units; u += 4)
-    qk_dot_step<G_T, 4>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
-  for (; u + 2 <= units; u += 2)
-    qk_dot_step<G_T, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
-  if constexpr (!is_fp8_v<T>)
+  if constexpr (is_fp8_v<T>) {
+    const int64_t decs = chunk_elems / (4 * W);
+    int64_t d = 0;
+    for (; d + 4 <= decs; d += 4)
+      qk_dot_quads<G_T, 4>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, d);
+    for (; d + 2 <= decs; d += 2)
+      qk_dot_quads<G_T, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, d);
+    if (d < decs) qk_dot_quads<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, d);
+  } else {
+    const int64_t units = chunk_elems / (2 * W);
+    int64_t u = 0;
+    for (; u + 4 <= units; u += 4)
+      qk_dot_step<G_T, 4>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+    for (; u + 2 <= units; u += 2)
+      qk_dot_step<G_T, 2>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
     for (; u < units; ++u)
       qk_dot_step<G_T, 1>(kblk, qrep, raw, num_chunks, chunk_elems, raw_stride, pf, u);
+  }
 }
 
-inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks) {
-  const int64_t units = chunk_elems / (2 * W);
-  return (units / 4 + units % 4 / 2 + units % 2) * num_chunks;
+inline int64_t qk_dot_iterations(int64_t chunk_elems, int64_t num_chunks, bool fp8) {
+  const int64_t n = chunk_elems / (fp8 ? 4 * W : 2 * W);  // decodes (fp8) or units per chunk
+  return (n / 4 + n % 4 / 2 + n % 2) * num_chunks;
 }
 
 // q.k of an fp8 key block by table decode (Layout::fp8_tables): qk_step's units of H = 4

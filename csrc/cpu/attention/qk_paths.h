@@ -157,7 +157,7 @@ inline void qk_block(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<
 }
 
 // QkPath::DotBF16 on a pair of blocks k, k + 1 summed together (Layout::pair_qk): qk_dot_pair
-// for every row; pf0 and pf1 are the two blocks' cursors.
+// (fp8: qk_dot_quads' pair step) for every row; pf0 and pf1 are the two blocks' cursors.
 template <typename CT>
 inline void qk_pair(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<CT>& g,
                     PrefetchCursor& pf0, PrefetchCursor& pf1) {
@@ -165,8 +165,13 @@ inline void qk_pair(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<C
   if constexpr (kDotCache<CT>) {
     const Layout<CT>& layout = w.layout;
     qk_row_tiles(w, hl, k, [&](auto rows, const float* qr, float* raw) {
-      qk_dot_pair<decltype(rows)::value>(g.k[k], g.k[k + 1], qr, raw, layout.num_chunks,
-                                         layout.chunk_elems, layout.raw_row, pf0, pf1);
+      if constexpr (is_fp8_v<CT>)  // blocks of 2 decodes
+        qk_dot_quads<decltype(rows)::value, 4, true>(g.k[k], qr, raw, layout.num_chunks,
+                                                     layout.chunk_elems, layout.raw_row, pf0, 0,
+                                                     g.k[k + 1], &pf1);
+      else
+        qk_dot_pair<decltype(rows)::value>(g.k[k], g.k[k + 1], qr, raw, layout.num_chunks,
+                                           layout.chunk_elems, layout.raw_row, pf0, pf1);
     });
   }
 }
