@@ -254,9 +254,10 @@ inline void qk_dot_quads(const T* kblk, const float* qrep, float* raw, int64_t n
     for (int d = 0; d < DEC; ++d) a[g][d].store(raw + g * raw_stride + (dec0 + d) * W);
 }
 
-// Steps of 4, 2 and 1 units (fp8: qk_dot_quads, steps of 4, 2 and 1 decodes): 4 G_T
-// + 4 + 1 vectors live at once (21 of AVX-512's 32 registers for a tile of 4 rows). Every chunk
-// iteration steps the prefetch cursor once, as in qk_tile; qk_dot_iterations counts them.
+// Steps of 4, 2 and 1 units: 4 G_T + 4 + 1 vectors live at once (21 of AVX-512's 32 registers
+// for a tile of 4 rows). fp8: qk_dot_quads' steps of 4, 2 and 1 decodes, 4 G_T + 8 + 2 and the
+// 5 table vectors at 4 (31 registers). Every chunk iteration steps the prefetch cursor once,
+// as in qk_tile; qk_dot_iterations counts them.
 template <int G_T, typename T>
 inline void qk_tile_dot(const T* kblk, const float* qrep, float* raw, int64_t num_chunks,
                         int64_t chunk_elems, int64_t raw_stride, PrefetchCursor& pf) {
