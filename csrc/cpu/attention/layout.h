@@ -76,9 +76,9 @@ struct Layout {
   // tokens at 4 lanes per token fill the 4 vectors that one sum of sum_lane_groups reads,
   // where one block fills half of them. At 8 lanes per token one block fills them already.
   int64_t sum_blocks;
-  // DotBF16 on blocks of 2 units (2 W elements of a chunk each; fp8: 2 decodes) summed in
-  // pairs: the q.k of a pair runs as one 4-unit step over both blocks (qk_dot_pair; fp8:
-  // qk_dot_quads' pair step).
+  // Blocks summed in pairs whose chunks are 2 units (DotBF16: 2 W elements each; fp8: 2
+  // decodes) or 2 vectors (Tile: fp32 at W / 2): the q.k of a pair runs as one step over both
+  // blocks (qk_dot_pair, qk_dot_quads' pair step, qk_tile_pair).
   bool pair_qk = false;
   int64_t NV;  // Group, GroupAny: V row vectors
   bool half_rows;  // GroupAny: block sizes (16 lanes) that end half a vector short of one
@@ -246,7 +246,9 @@ struct Layout {
             rows_max <= 16 && !no_amx && amx::usable();
     sum_blocks = kSumBlockPairs && 2 * bs == W && x_sum <= 4 && !c.amx ? 2 : 1;
     raw_row = std::max(raw_row, round_up(sum_blocks * bs * x_sum, W));
-    pair_qk = c.dot_bf16 && sum_blocks == 2 && chunk_elems == (dot_fp8 ? 8 : 4) * W;
+    pair_qk = sum_blocks == 2 &&
+              (c.dot_bf16 ? chunk_elems == (dot_fp8 ? 8 : 4) * W
+                          : !c.fp8_tables && q_repeat == W && chunk_elems == 2 * W);
     // pv_dot_tile's block sizes; fp8 decodes two operands at once (an even number of sums).
     // From W up, bf16 takes Dot only where a plan forces it: pv_group ran 1.04-1.05x as fast
     // at block size 16 and 1.02-1.12x at 32-256 (Zen 4), while fp8 ran 1.23-1.50x as fast on

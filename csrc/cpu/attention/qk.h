@@ -134,6 +134,36 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
   }
 }
 
+// qk_tile's two-vector step over a pair of blocks of 2 W elements per chunk (fp32 at block size
+// W / 2, 4 lanes per token, summed together: Layout::pair_qk): the four K vectors of a chunk, two
+// from each block, share each q load, where a call per block loads q for two (6 loads per 8
+// FMAs, 8 per 16 here); raw holds the pair's sums one block after the other, and each block's
+// cursor steps once per chunk, as in a call per block.
+template <int G_T, typename T>
+inline void qk_tile_pair(const T* kb0, const T* kb1, const float* qrep, float* raw,
+                         int64_t num_chunks, int64_t raw_stride, PrefetchCursor& pf0,
+                         PrefetchCursor& pf1) {
+  VecF a[G_T][4];
+  PAGED_UNROLL
+  for (int g = 0; g < G_T; ++g)
+    PAGED_UNROLL
+    for (int t = 0; t < 4; ++t) a[g][t] = VecF(0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    pf0.step();
+    pf1.step();
+    const VecF k[4] = {load_f32(kb0 + c * 2 * W), load_f32(kb0 + c * 2 * W + W),
+                       load_f32(kb1 + c * 2 * W), load_f32(kb1 + c * 2 * W + W)};
+    for (int g = 0; g < G_T; ++g) {
+      const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * W));
+      for (int t = 0; t < 4; ++t) a[g][t] = at::vec::fmadd(k[t], q, a[g][t]);
+    }
+  }
+  PAGED_UNROLL
+  for (int g = 0; g < G_T; ++g)
+    PAGED_UNROLL
+    for (int t = 0; t < 4; ++t) a[g][t].store(raw + g * raw_stride + t * W);
+}
+
 // Chunk iterations of one qk_tile call (one PrefetchCursor::step() each), mirroring its loops.
 inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64_t q_repeat) {
   int64_t steps = 0;

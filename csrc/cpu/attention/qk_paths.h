@@ -156,14 +156,22 @@ inline void qk_block(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<
   }
 }
 
-// QkPath::DotBF16 on a pair of blocks k, k + 1 summed together (Layout::pair_qk): qk_dot_pair
-// (fp8: qk_dot_quads' pair step) for every row; pf0 and pf1 are the two blocks' cursors.
+// A pair of blocks k, k + 1 summed together (Layout::pair_qk) for every row: QkPath::DotBF16 by
+// qk_dot_pair (fp8: qk_dot_quads' pair step), QkPath::Tile by qk_tile_pair; pf0 and pf1 are the
+// two blocks' cursors.
 template <typename CT>
 inline void qk_pair(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<CT>& g,
                     PrefetchCursor& pf0, PrefetchCursor& pf1) {
   if (!PAGED_OPS_PHASE_QK) return;
+  const Layout<CT>& layout = w.layout;
+  if (layout.qk == QkPath::Tile) {  // fp32 blocks of 2 W elements per chunk
+    qk_row_tiles(w, hl, k, [&](auto rows, const float* qr, float* raw) {
+      qk_tile_pair<decltype(rows)::value>(g.k[k], g.k[k + 1], qr, raw, layout.num_chunks,
+                                          layout.raw_row, pf0, pf1);
+    });
+    return;
+  }
   if constexpr (kDotCache<CT>) {
-    const Layout<CT>& layout = w.layout;
     qk_row_tiles(w, hl, k, [&](auto rows, const float* qr, float* raw) {
       if constexpr (is_fp8_v<CT>)  // blocks of 2 decodes
         qk_dot_quads<decltype(rows)::value, 4, true>(g.k[k], qr, raw, layout.num_chunks,
