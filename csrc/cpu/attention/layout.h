@@ -78,7 +78,7 @@ struct Layout {
   int64_t sum_blocks;
   // Blocks summed in pairs whose chunks are 2 units (DotBF16: 2 W elements each; fp8: 2
   // decodes) or 2 vectors (Tile: fp32 at W / 2): the q.k of a pair runs as one step over both
-  // blocks (qk_dot_pair, qk_dot_quads' pair step, qk_tile_pair).
+  // blocks (qk_pair_step, qk_dot_quads' pair step).
   bool pair_qk = false;
   int64_t NV;  // Group, GroupAny: V row vectors
   bool half_rows;  // GroupAny: block sizes (16 lanes) that end half a vector short of one

@@ -134,36 +134,6 @@ inline void qk_tile(const T* kblk, const float* qrep, float* raw, int64_t num_ch
   }
 }
 
-// qk_tile's two-vector step over a pair of blocks of 2 W elements per chunk (fp32 at block size
-// W / 2, 4 lanes per token, summed together: Layout::pair_qk): the four K vectors of a chunk, two
-// from each block, share each q load, where a call per block loads q for two (6 loads per 8
-// FMAs, 8 per 16 here); raw holds the pair's sums one block after the other, and each block's
-// cursor steps once per chunk, as in a call per block.
-template <int G_T, typename T>
-inline void qk_tile_pair(const T* kb0, const T* kb1, const float* qrep, float* raw,
-                         int64_t num_chunks, int64_t raw_stride, PrefetchCursor& pf0,
-                         PrefetchCursor& pf1) {
-  VecF a[G_T][4];
-  PAGED_UNROLL
-  for (int g = 0; g < G_T; ++g)
-    PAGED_UNROLL
-    for (int t = 0; t < 4; ++t) a[g][t] = VecF(0.f);
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    pf0.step();
-    pf1.step();
-    const VecF k[4] = {load_f32(kb0 + c * 2 * W), load_f32(kb0 + c * 2 * W + W),
-                       load_f32(kb1 + c * 2 * W), load_f32(kb1 + c * 2 * W + W)};
-    for (int g = 0; g < G_T; ++g) {
-      const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * W));
-      for (int t = 0; t < 4; ++t) a[g][t] = at::vec::fmadd(k[t], q, a[g][t]);
-    }
-  }
-  PAGED_UNROLL
-  for (int g = 0; g < G_T; ++g)
-    PAGED_UNROLL
-    for (int t = 0; t < 4; ++t) a[g][t].store(raw + g * raw_stride + t * W);
-}
-
 // Chunk iterations of one qk_tile call (one PrefetchCursor::step() each), mirroring its loops.
 inline int64_t qk_tile_iterations(int64_t chunk_elems, int64_t num_chunks, int64_t q_repeat) {
   int64_t steps = 0;
@@ -210,15 +180,18 @@ inline void qk_dot_step(const T* kblk, const float* qrep, float* raw, int64_t nu
     for (int t = 0; t < TOK; ++t) a[g][t].store(raw + g * raw_stride + (unit0 + t) * W);
 }
 
-// q.k of a pair of blocks of 2 units each (bf16 pairs at block size W / 2, summed together:
-// Layout::sum_blocks): qk_dot_step's 4-unit step over two key blocks, units 0-1 from kb0 and
-// 2-3 from kb1 (raw holds the pair's sums one block after the other), so that the four share
-// each q load and the 16 accumulators of a tile overlap their latencies; each block's cursor
-// steps once per chunk, as in a call per block.
-template <int G_T, typename T>
-inline void qk_dot_pair(const T* kb0, const T* kb1, const float* qrep, float* raw,
-                        int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
-                        PrefetchCursor& pf0, PrefetchCursor& pf1) {
+// q.k of a pair of blocks summed together (Layout::pair_qk) whose chunks are two operands
+// each: bf16 pairs (DOT: qk_dot_step's units, bf16 at block size W / 2) or fp32 vectors
+// (qk_tile's, fp32 at W / 2, chunks of 2 W elements). One step of four operands over both
+// blocks, 0-1 from kb0 and 2-3 from kb1 (raw holds the pair's sums one block after the other),
+// so that the four share each q load (a call per fp32 block ran 6 loads per 8 FMAs) and the 16
+// accumulators of a tile overlap their latencies; each block's cursor steps once per chunk, as
+// in a call per block.
+template <int G_T, bool DOT, typename T>
+inline void qk_pair_step(const T* kb0, const T* kb1, const float* qrep, float* raw,
+                         int64_t num_chunks, int64_t chunk_elems, int64_t raw_stride,
+                         PrefetchCursor& pf0, PrefetchCursor& pf1) {
+  const int64_t ce = DOT ? chunk_elems : 2 * W;  // fp32: a constant stride
   VecF a[G_T][4];
   PAGED_UNROLL
   for (int g = 0; g < G_T; ++g)
@@ -227,12 +200,22 @@ inline void qk_dot_pair(const T* kb0, const T* kb1, const float* qrep, float* ra
   for (int64_t c = 0; c < num_chunks; ++c) {
     pf0.step();
     pf1.step();
-    BF16Pairs k[4];
-    load_pairs2(kb0 + c * chunk_elems, k[0], k[1]);
-    load_pairs2(kb1 + c * chunk_elems, k[2], k[3]);
-    for (int g = 0; g < G_T; ++g) {
-      const BF16Pairs q = load_pairs(qrep + (g * num_chunks + c) * W);
-      for (int t = 0; t < 4; ++t) a[g][t] = dot_pairs(a[g][t], k[t], q);
+    const T* k0 = kb0 + c * ce;
+    const T* k1 = kb1 + c * ce;
+    if constexpr (DOT) {
+      BF16Pairs k[4];
+      load_pairs2(k0, k[0], k[1]);
+      load_pairs2(k1, k[2], k[3]);
+      for (int g = 0; g < G_T; ++g) {
+        const BF16Pairs q = load_pairs(qrep + (g * num_chunks + c) * W);
+        for (int t = 0; t < 4; ++t) a[g][t] = dot_pairs(a[g][t], k[t], q);
+      }
+    } else {
+      const VecF k[4] = {load_f32(k0), load_f32(k0 + W), load_f32(k1), load_f32(k1 + W)};
+      for (int g = 0; g < G_T; ++g) {
+        const VecF q = in_register(VecF::loadu(qrep + (g * num_chunks + c) * W));
+        for (int t = 0; t < 4; ++t) a[g][t] = at::vec::fmadd(k[t], q, a[g][t]);
+      }
     }
   }
   PAGED_UNROLL

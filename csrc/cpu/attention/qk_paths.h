@@ -156,9 +156,9 @@ inline void qk_block(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<
   }
 }
 
-// A pair of blocks k, k + 1 summed together (Layout::pair_qk) for every row: QkPath::DotBF16 by
-// qk_dot_pair (fp8: qk_dot_quads' pair step), QkPath::Tile by qk_tile_pair; pf0 and pf1 are the
-// two blocks' cursors.
+// A pair of blocks k, k + 1 summed together (Layout::pair_qk) for every row: qk_pair_step
+// (fp8 keys on QkPath::DotBF16: qk_dot_quads' pair step); pf0 and pf1 are the two blocks'
+// cursors.
 template <typename CT>
 inline void qk_pair(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<CT>& g,
                     PrefetchCursor& pf0, PrefetchCursor& pf1) {
@@ -166,8 +166,8 @@ inline void qk_pair(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<C
   const Layout<CT>& layout = w.layout;
   if (layout.qk == QkPath::Tile) {  // fp32 blocks of 2 W elements per chunk
     qk_row_tiles(w, hl, k, [&](auto rows, const float* qr, float* raw) {
-      qk_tile_pair<decltype(rows)::value>(g.k[k], g.k[k + 1], qr, raw, layout.num_chunks,
-                                          layout.raw_row, pf0, pf1);
+      qk_pair_step<decltype(rows)::value, false>(g.k[k], g.k[k + 1], qr, raw, layout.num_chunks,
+                                                 layout.chunk_elems, layout.raw_row, pf0, pf1);
     });
     return;
   }
@@ -178,8 +178,9 @@ inline void qk_pair(ItemState<CT>& w, int64_t hl, int64_t k, const GroupBlocks<C
                                                      layout.chunk_elems, layout.raw_row, pf0, 0,
                                                      g.k[k + 1], &pf1);
       else
-        qk_dot_pair<decltype(rows)::value>(g.k[k], g.k[k + 1], qr, raw, layout.num_chunks,
-                                           layout.chunk_elems, layout.raw_row, pf0, pf1);
+        qk_pair_step<decltype(rows)::value, true>(g.k[k], g.k[k + 1], qr, raw,
+                                                  layout.num_chunks, layout.chunk_elems,
+                                                  layout.raw_row, pf0, pf1);
     });
   }
 }
