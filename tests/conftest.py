@@ -1,6 +1,8 @@
 """Fixtures shared by the test files."""
 
+import atexit
 import os
+import shutil
 import tempfile
 import time
 
@@ -10,8 +12,9 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Before paged_ops loads: no plan file of the user's (tuned plans, paged_ops/_plans.py) and no
 # autotuning reach the tests; each test process reads its own empty plan file location.
-os.environ["PAGED_OPS_PLAN_CACHE"] = os.path.join(
-    tempfile.mkdtemp(prefix="paged_ops_test_plans_"), "plans.json")
+_PLAN_DIR = tempfile.mkdtemp(prefix="paged_ops_test_plans_")
+atexit.register(shutil.rmtree, _PLAN_DIR, True)
+os.environ["PAGED_OPS_PLAN_CACHE"] = os.path.join(_PLAN_DIR, "plans.json")
 os.environ.pop("PAGED_OPS_AUTOTUNE", None)
 
 import pytest
