@@ -116,7 +116,7 @@ def test_peer_vllm_cpu_table_and_fp8_reference():
 def test_benchmark_scripts_print_their_help():
     # argparse formats help strings with %: a stray one fails --help (and every run) at once.
     for name in ("bench_attention", "bench_cache_write", "bench_block_manager", "kernel_phases",
-                 "ab_kernels", "cpu_grid", "bench_prefill", "huge_pages"):
+                 "ab_kernels", "cpu_grid", "bench_prefill", "huge_pages", "block_order"):
         run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"),
                               "--help"], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and "usage" in run.stdout, (name, run.stderr[-2000:])
@@ -133,6 +133,25 @@ def test_cpp_benchmarks_compile(name):
     run = subprocess.run(["g++", "-fsyntax-only", "-Wall", "-Werror", "-mavx2", "-mfma",
                           "-fopenmp", src], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_block_order_runs_and_restores_the_plans(monkeypatch):
+    # benchmarks/block_order.py installs plans of its own per call: a row per cell with four
+    # shares, and at the end the process's plans are installed again.
+    import torch
+    import paged_ops
+    restored = []
+    install = paged_ops._install_plans
+    monkeypatch.setattr(paged_ops, "_install_plans", lambda: restored.append(install()))
+    threads = torch.get_num_threads()
+    try:
+        rows = load("block_order").main(["--gib", "0.01", "--seconds", "0.05", "--dtypes", "bf16",
+                                         "--block-sizes", "16", "--shape", "2x100"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [(r[0], r[1], len(r[2])) for r in rows] == [("bf16", 16, 4)]
+    assert all(s > 0 for s in rows[0][2]) and rows[0][3] > 0
+    assert len(restored) == 1
 
 
 def test_bench_prefill_quick_runs(capsys):
