@@ -34,6 +34,46 @@ import bench_attention as ba  # noqa: E402
 KERNELS = ("scattered", "scattered nopf", "in order", "in order nopf")
 
 
+def cell(dtype, bs, B, L, H, Hkv, D, probe, args):
+    """One row: the shares of the probe of the four kernels, and scattered / in order."""
+    per = (L + bs - 1) // bs
+    caches = ba.LayerCaches(B * per + 64, Hkv, D, bs, dtype, "cpu", args.gib * 2**30)
+    q, scattered, sl = caches.batch(B, L, H, D)
+    in_order = torch.arange(B * per, dtype=torch.int32).view(B, per)
+    kw = dict(k_scale=caches.ks, v_scale=caches.vs) if dtype in ba.FP8 else {}
+    qdtype = torch.bfloat16 if dtype in ba.FP8 else dtype
+    key = (qdtype, dtype, bs, D, H // Hkv)
+    lib = paged_ops._C_LIB
+    cursor = [0]
+
+    def timed(table, prefetch):
+        # The rules, or the rules without the next blocks' prefetches.
+        _plans.install(lib, [] if prefetch else [(key, None, {"prefetch": False})])
+        kc, vc = caches.layers[cursor[0] % len(caches.layers)]
+        cursor[0] += 1
+        t0 = time.perf_counter()
+        paged_ops.paged_attention(q, kc, vc, table, sl, D**-0.5, **kw)
+        return time.perf_counter() - t0
+
+    runs = [(scattered, True), (scattered, False), (in_order, True), (in_order, False)]
+    for run in runs:  # warm: the threads' scratch grows on a first call
+        timed(*run)
+    probe_gb = probe.numel() * 4 / 1e9
+    times, probes = [[] for _ in runs], []
+    end, n = time.perf_counter() + args.seconds, 0
+    while time.perf_counter() < end or n < 3:
+        t0 = time.perf_counter()
+        probe.sum()
+        probes.append(probe_gb / (time.perf_counter() - t0))
+        for i in range(len(runs)) if n % 2 == 0 else reversed(range(len(runs))):
+            times[i].append(timed(*runs[i]))
+        n += 1
+    nbytes = 2 * B * L * Hkv * D * dtype.itemsize / 1e9
+    shares = [statistics.median(nbytes / t / pr for t, pr in zip(ts, probes)) for ts in times]
+    ratio = statistics.median(a / b for a, b in zip(times[0], times[2]))
+    return statistics.median(probes), shares, ratio
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="fp32,bf16,fp8_e4m3")
@@ -49,57 +89,20 @@ def main(argv=None):
     H, Hkv = map(int, args.heads.split(","))
     D = 128
     probe = ba.probe_buffer(args.gib)
-    probe_gb = probe.numel() * 4 / 1e9
     print(f"{args.threads} threads, {H}q/{Hkv}kv, head size {D}, B={B} L={L}, caches cycled "
-          f"over >= {args.gib} GiB; % of the probe (torch.sum over {probe_gb:.2f} GB) in the "
-          f"same round, median over rounds; nopf: no prefetch of the next blocks")
-    lib = paged_ops._C_LIB
+          f"over >= {args.gib} GiB; % of the probe (torch.sum over "
+          f"{probe.numel() * 4 / 1e9:.2f} GB) in the same round, median over rounds; nopf: no "
+          f"prefetch of the next blocks")
     rows = []
     try:
         for name in args.dtypes.split(","):
-            dtype = ba.DTYPES[name]
-            qdtype = torch.bfloat16 if dtype in ba.FP8 else dtype
             for bs in map(int, args.block_sizes.split(",")):
-                per = (L + bs - 1) // bs
-                caches = ba.LayerCaches(B * per + 64, Hkv, D, bs, dtype, "cpu",
-                                        args.gib * 2**30)
-                q, scattered, sl = caches.batch(B, L, H, D)
-                in_order = torch.arange(B * per, dtype=torch.int32).view(B, per)
-                kw = dict(k_scale=caches.ks, v_scale=caches.vs) if dtype in ba.FP8 else {}
-                key = (qdtype, dtype, bs, D, H // Hkv)
-                cursor = [0]
-
-                def timed(table, prefetch):
-                    # The rules, or the rules without the next blocks' prefetches.
-                    _plans.install(lib, [] if prefetch else [(key, None, {"prefetch": False})])
-                    kc, vc = caches.layers[cursor[0] % len(caches.layers)]
-                    cursor[0] += 1
-                    t0 = time.perf_counter()
-                    paged_ops.paged_attention(q, kc, vc, table, sl, D**-0.5, **kw)
-                    return time.perf_counter() - t0
-
-                runs = [(scattered, True), (scattered, False), (in_order, True), (in_order, False)]
-                for run in runs:  # warm: the threads' scratch grows on a first call
-                    timed(*run)
-                times, probes = [[] for _ in runs], []
-                end, n = time.perf_counter() + args.seconds, 0
-                while time.perf_counter() < end or n < 3:
-                    t0 = time.perf_counter()
-                    probe.sum()
-                    probes.append(probe_gb / (time.perf_counter() - t0))
-                    for i in range(len(runs)) if n % 2 == 0 else reversed(range(len(runs))):
-                        times[i].append(timed(*runs[i]))
-                    n += 1
-                nbytes = 2 * B * L * Hkv * D * dtype.itemsize / 1e9
-                shares = [statistics.median(nbytes / t / pr for t, pr in zip(ts, probes))
-                          for ts in times]
-                ratio = statistics.median(a / b for a, b in zip(times[0], times[2]))
+                bw, shares, ratio = cell(ba.DTYPES[name], bs, B, L, H, Hkv, D, probe, args)
                 cells = " | ".join(f"{k} {100 * s:3.0f}%" for k, s in zip(KERNELS, shares))
-                print(f"{name:9s} bs {bs:3d}: probe {statistics.median(probes):5.1f} GB/s | "
-                      f"{cells} | scattered/in order {ratio:.3f}x", flush=True)
+                print(f"{name:9s} bs {bs:3d}: probe {bw:5.1f} GB/s | {cells} | scattered/in "
+                      f"order {ratio:.3f}x", flush=True)
                 rows.append((name, bs, shares, ratio))
-                del caches
-                gc.collect()
+                gc.collect()  # this cell's caches, before the next cell allocates its own
     finally:
         paged_ops._install_plans()  # the process's own plans again
     return rows

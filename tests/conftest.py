@@ -12,15 +12,17 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Before paged_ops loads: no plan file of the user's (tuned plans, paged_ops/_plans.py) and no
 # autotuning reach the tests; each test process reads its own empty plan file location.
-_PLAN_DIR = tempfile.mkdtemp(prefix="paged_ops_test_plans_")
-atexit.register(shutil.rmtree, _PLAN_DIR, True)
-os.environ["PAGED_OPS_PLAN_CACHE"] = os.path.join(_PLAN_DIR, "plans.json")
+os.environ["PAGED_OPS_PLAN_CACHE"] = os.path.join(
+    tempfile.mkdtemp(prefix="paged_ops_test_plans_"), "plans.json")
 os.environ.pop("PAGED_OPS_AUTOTUNE", None)
 
 import pytest
 
 from tests.cpu_variants import VARIANTS, use
 from tests.helpers import DEVICES
+
+# The plan file's directory goes when the test process ends.
+atexit.register(shutil.rmtree, os.path.dirname(os.environ["PAGED_OPS_PLAN_CACHE"]), True)
 
 
 @pytest.fixture(params=VARIANTS)

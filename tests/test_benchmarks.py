@@ -139,6 +139,7 @@ def test_block_order_runs_and_restores_the_plans(monkeypatch):
     # benchmarks/block_order.py installs plans of its own per call: a row per cell with four
     # shares, and at the end the process's plans are installed again.
     import torch
+
     import paged_ops
     restored = []
     install = paged_ops._install_plans
