@@ -16,22 +16,32 @@
 namespace paged::cpu {
 inline namespace CPU_CAPABILITY {
 
-// The tile of p.v sums of pv_group, RT rows x DT consecutive d, into the running sums of its
-// rows: o[u * RT + r] = o[u * RT + r] * alpha[r] + (sum of the lanes of a[r][u]), or = the
-// lane sum on an item's first group (init: o may hold anything). o is tile-major ([D][RT]
-// for the tile's rows), so the DT * RT sums of a step are contiguous; finish turns the tiles
-// back into rows (rows_from_tiles).
-template <int RT, int DT, bool TREE = true>
-inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, bool init) {
-  if constexpr (TREE && kTileSumsByShuffles<RT, DT>) {
-    tile_sums_by_shuffles(a, o, alpha, init);
-    return;
-  }
+// tile_sums: the tile of p.v sums of pv_group, RT rows x DT consecutive d, into the running
+// sums of its rows: o[u * RT + r] = o[u * RT + r] * alpha[r] + (sum of the lanes of a[r][u]),
+// or = the lane sum on an item's first group (init: o may hold anything). o is tile-major
+// ([D][RT] for the tile's rows), so the DT * RT sums of a step are contiguous; finish turns
+// the tiles back into rows (rows_from_tiles). By shuffle trees where the build has them.
+// tile_sums_each: the same, one lane sum (hsum) at a time; what the item's last group takes
+// where the accumulators were kept across groups in lanes. Always inlined: a call takes the
+// accumulators by reference, and GCC may then keep them in memory over the whole FMA loop
+// (it left the 4 x 4 version out of line for fp16 once pv_group's steps of 4 rows had two
+// instantiations: 0.61-0.65x at block sizes 64-256).
+template <int RT, int DT>
+C10_ALWAYS_INLINE void tile_sums_each(const VecF (&a)[RT][DT], float* o, const float* alpha,
+                                      bool init) {
   for (int u = 0; u < DT; ++u)
     for (int r = 0; r < RT; ++r) {
       const float sum = hsum(a[r][u]);
       o[u * RT + r] = init ? sum : o[u * RT + r] * alpha[r] + sum;
     }
+}
+template <int RT, int DT>
+inline void tile_sums(const VecF (&a)[RT][DT], float* o, const float* alpha, bool init) {
+  if constexpr (kTileSumsByShuffles<RT, DT>) {
+    tile_sums_by_shuffles(a, o, alpha, init);
+  } else {
+    tile_sums_each(a, o, alpha, init);
+  }
 }
 
 // p . v of a group of blocks for a tile of RT query rows: the [D][bs] V blocks (bs == NV * W)
@@ -167,7 +177,8 @@ inline void pv_group(const VT* const* src_in, int64_t nb_in, int64_t nv_in, cons
       }
     }
     if (!kLaneAcc || last) {
-      tile_sums<RT, DTc, !kLaneAcc>(a, o + d * RT, alpha, kLaneAcc || init);
+      if constexpr (kLaneAcc) tile_sums_each(a, o + d * RT, alpha, true);
+      else tile_sums(a, o + d * RT, alpha, init);
       return;
     }
     for (int r = 0; r < RT; ++r)
@@ -258,7 +269,8 @@ inline void pv_group_any(const VT* const* src, int64_t nb, int64_t nv, int64_t b
       }
     }
     if (!kLaneAcc || last) {
-      tile_sums<RT, DTc, !kLaneAcc>(a, o + d * RT, alpha, kLaneAcc || init);
+      if constexpr (kLaneAcc) tile_sums_each(a, o + d * RT, alpha, true);
+      else tile_sums(a, o + d * RT, alpha, init);
       return;
     }
     for (int r = 0; r < RT; ++r)
