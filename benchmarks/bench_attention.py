@@ -274,6 +274,18 @@ def gather_sdpa(q, kc, vc, bt, sl, ctx):
         q.unsqueeze(2), k, v, enable_gqa=H != Hkv).squeeze(2)
 
 
+def add_cell_args(p, dtypes, block_sizes):
+    """The arguments of the scripts that time one decode cell after another, each against a
+    variant of itself (huge_pages.py, block_order.py)."""
+    p.add_argument("--dtypes", default=dtypes)
+    p.add_argument("--block-sizes", default=block_sizes)
+    p.add_argument("--shape", default="8x2048", help="BATCHxCONTEXT")
+    p.add_argument("--heads", default="32,8", help="query heads,kv heads")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gib", type=float, default=1.0, help="GiB of caches cycled over (per set)")
+    p.add_argument("--seconds", type=float, default=4.0, help="per row")
+
+
 def parse_shapes(text):
     shapes = []
     for item in text.split(","):

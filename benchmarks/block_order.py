@@ -76,13 +76,7 @@ def cell(dtype, bs, B, L, H, Hkv, D, probe, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", default="fp32,bf16,fp8_e4m3")
-    p.add_argument("--block-sizes", default="8,32,128")
-    p.add_argument("--shape", default="8x2048", help="BATCHxCONTEXT")
-    p.add_argument("--heads", default="32,8", help="query heads,kv heads")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--gib", type=float, default=1.0, help="caches cycled over, and the probe")
-    p.add_argument("--seconds", type=float, default=4.0, help="per row")
+    ba.add_cell_args(p, "fp32,bf16,fp8_e4m3", "8,32,128")  # --gib: the probe's size too
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     B, L = map(int, args.shape.split("x"))

@@ -50,13 +50,7 @@ def alternate(calls, seconds):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", default="bf16,fp32,fp16,fp8_e4m3")
-    p.add_argument("--block-sizes", default="8,16,32,128,256")
-    p.add_argument("--shape", default="8x2048", help="BATCHxCONTEXT")
-    p.add_argument("--heads", default="32,8", help="query heads,kv heads")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--gib", type=float, default=1.0)
-    p.add_argument("--seconds", type=float, default=4.0, help="per row")
+    ba.add_cell_args(p, "bf16,fp32,fp16,fp8_e4m3", "8,16,32,128,256")
     p.add_argument("--control", action="store_true", help="plain pages in both sets")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
